@@ -1,0 +1,157 @@
+"""``aenv-node``: run the node and administer its state.
+
+Every command takes ``--state-dir`` and ``--config``; the effective
+configuration is the embedded default overlaid by the file, ``AENV_*``
+environment variables and the flags (see docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .. import __version__
+from ..config import Config
+from ._common import build_config, config_option, one_line_errors, setup_logging, state_dir_option
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="aenv-node")
+@config_option
+@state_dir_option
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None, state_dir: Path | None) -> None:
+    """aenv-node: a self-hosted runtime for agent sandboxes (E2B-compatible)."""
+    ctx.ensure_object(dict)
+    ctx.obj["config_path"] = config_path
+    ctx.obj["state_dir"] = state_dir
+
+
+def _cfg(ctx: click.Context, state_dir: Path | None, **api: Any) -> Config:
+    return build_config(
+        ctx.obj.get("config_path"), state_dir or ctx.obj.get("state_dir"), **api
+    )
+
+
+def pass_config(fn: Any) -> Any:
+    """Decorator for subcommands (also used by plug-in groups): adds --state-dir and passes Config."""
+
+    @state_dir_option
+    @click.pass_context
+    @one_line_errors
+    def wrapper(ctx: click.Context, state_dir: Path | None, **kwargs: Any) -> Any:
+        return ctx.invoke(fn, _cfg(ctx, state_dir), **kwargs)
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@main.command()
+@state_dir_option
+@click.option("--listen", default=None, help="HOST:PORT to serve the API on (default 127.0.0.1:8000).")
+@click.pass_context
+@one_line_errors
+def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> None:
+    """Run the node: migrate the database, reconcile, serve the API until SIGTERM."""
+    import trio
+
+    from ..api.server import ApiServer
+    from ..runtime import Node, ensure_api_key, run_node
+    from ..state import Database
+
+    cfg = _cfg(ctx, state_dir, listen=listen)
+    setup_logging(cfg.node.log_level)
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    key, key_path = ensure_api_key(cfg)
+    node = Node(cfg, Database(cfg.database_path), key, key_path)
+    api = ApiServer(node)
+    node.services.append(api)
+
+    async def main_task() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_node, node)
+            where = f"API key in {key_path}" if key_path else "API key from config"
+            click.echo(
+                f"aenv-node {__version__} serving http://{cfg.api.listen} "
+                f"(state {cfg.state_dir}; {where})",
+                err=True,
+            )
+
+    trio.run(main_task)
+
+
+@main.group()
+def db() -> None:
+    """The SQLite state database."""
+
+
+@db.command("upgrade")
+@click.option("--revision", default="head", show_default=True)
+@pass_config
+def db_upgrade(cfg: Config, revision: str) -> None:
+    """Migrate the database to REVISION (creates it if missing)."""
+    from ..state import Database
+
+    database = Database(cfg.database_path)
+    database.upgrade(revision)
+    click.echo(f"{cfg.database_path}: at revision {database.current_revision()}")
+
+
+@db.command("downgrade")
+@click.argument("revision")
+@pass_config
+def db_downgrade(cfg: Config, revision: str) -> None:
+    """Migrate the database down to REVISION ("base" drops every table)."""
+    from ..state import Database
+
+    database = Database(cfg.database_path)
+    database.downgrade(revision)
+    click.echo(f"{cfg.database_path}: at revision {database.current_revision()}")
+
+
+@main.group()
+def config() -> None:
+    """The effective configuration."""
+
+
+@config.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of TOML.")
+@pass_config
+def config_show(cfg: Config, as_json: bool) -> None:
+    """Print the effective configuration (defaults + file + environment + flags)."""
+    doc = cfg.as_toml_dict()
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    for section, values in doc.items():
+        click.echo(f"[{section}]")
+        for key, value in values.items():
+            click.echo(f"{key} = {json.dumps(value)}")
+        click.echo()
+
+
+# Command groups owned by other layers, added when their module is present.
+_PLUGINS = {
+    "kit": ("aenv_node.cli.kit", "kit"),
+    "rootfs": ("aenv_node.cli.kit", "rootfs"),
+    "layer": ("aenv_node.cli.storage", "layer"),
+    "image": ("aenv_node.cli.storage", "image"),
+    "cache": ("aenv_node.cli.storage", "cache"),
+}
+for _name, (_module, _attr) in _PLUGINS.items():
+    try:
+        _group = getattr(importlib.import_module(_module), _attr)
+    except (ImportError, AttributeError):
+        continue
+    main.add_command(_group, _name)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Gateway and scheduler for multi-node deployments (later)."""

@@ -1,0 +1,293 @@
+"""The node's configuration: one TOML document, typed, with a clear precedence.
+
+Precedence, lowest first:
+
+1. the embedded default (``aenv_node/config/default.toml``), which works on a
+   development machine with no file at all;
+2. a TOML file: ``--config FILE``, else ``$AENV_CONFIG``, else
+   ``/etc/aenv/config.toml`` when it exists;
+3. environment variables ``AENV_<SECTION>_<KEY>`` (``AENV_STATE_DIR`` is the
+   short form of ``AENV_NODE_STATE_DIR``);
+4. explicit overrides (command-line flags such as ``--state-dir``).
+
+Unknown sections or keys are errors: a typo in a config file must not be
+silently ignored. Every key is documented in ``docs/configuration.md`` (a test
+keeps the two in step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "DEFAULT_CONFIG_TEXT",
+    "SYSTEM_CONFIG_PATH",
+]
+
+SYSTEM_CONFIG_PATH = Path("/etc/aenv/config.toml")
+DEFAULT_CONFIG_TEXT = resources.files(__package__).joinpath("default.toml").read_text()
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type, or unknown."""
+
+
+@dataclass(frozen=True)
+class NodeSection:
+    state_dir: Path = Path("/var/lib/aenv")
+    node_id: str = ""
+    log_level: str = "info"
+    shutdown_grace_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ApiSection:
+    listen: str = "127.0.0.1:8000"
+    domain: str = ""
+    api_key: str = ""
+
+    @property
+    def host(self) -> str:
+        return self.listen.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True)
+class SandboxSection:
+    default_template: str = "base"
+    default_timeout_s: int = 300
+    max_timeout_s: int = 86400
+    default_cpu_count: int = 2
+    default_memory_mb: int = 512
+    default_disk_size_mb: int = 2048
+    fork_max_count: int = 20
+    ttl_check_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class VmmSection:
+    kind: str = "auto"
+    accel: str = "auto"
+    qemu_binary: str = "qemu-system-x86_64"
+    firecracker_binary: str = "/opt/aenv/bin/firecracker"
+    jailer_binary: str = "/opt/aenv/bin/jailer"
+    use_jailer: bool = False
+    tcg_tb_size_mb: int = 16
+    guest_kernel: str = ""
+
+
+@dataclass(frozen=True)
+class NetSection:
+    pool_cidr: str = "10.11.0.0/16"
+    warm_slots: int = 2
+    egress: bool = True
+
+
+@dataclass(frozen=True)
+class StorageSection:
+    repository: str = "posix_fs"
+    repository_path: str = ""
+    s3_endpoint: str = ""
+    s3_bucket: str = ""
+    s3_region: str = ""
+    s3_prefix: str = "aenv/"
+    cache_dir: str = ""
+    cache_capacity_bytes: int = 20 * 1024**3
+    cache_high_watermark: float = 0.95
+    cache_low_watermark: float = 0.70
+
+
+@dataclass(frozen=True)
+class SnapshotSection:
+    periodic_interval_s: float = 0
+    compact_after_layers: int = 8
+
+
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("vmm", "kind"): ("auto", "qemu", "firecracker"),
+    ("vmm", "accel"): ("auto", "kvm", "tcg"),
+    ("storage", "repository"): ("posix_fs", "s3"),
+    ("node", "log_level"): ("debug", "info", "warning", "error"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    node: NodeSection = field(default_factory=NodeSection)
+    api: ApiSection = field(default_factory=ApiSection)
+    sandbox: SandboxSection = field(default_factory=SandboxSection)
+    vmm: VmmSection = field(default_factory=VmmSection)
+    net: NetSection = field(default_factory=NetSection)
+    storage: StorageSection = field(default_factory=StorageSection)
+    snapshot: SnapshotSection = field(default_factory=SnapshotSection)
+
+    # Derived paths: one place decides the state directory's layout.
+    @property
+    def state_dir(self) -> Path:
+        return self.node.state_dir
+
+    @property
+    def database_path(self) -> Path:
+        return self.state_dir / "aenv.db"
+
+    @property
+    def api_key_path(self) -> Path:
+        return self.state_dir / "secrets" / "api-key"
+
+    @property
+    def repository_path(self) -> Path:
+        return Path(self.storage.repository_path or self.state_dir / "repository")
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.storage.cache_dir or self.state_dir / "cache")
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.state_dir / "sandboxes"
+
+    def as_toml_dict(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for sec in dataclasses.fields(self):
+            values = dataclasses.asdict(getattr(self, sec.name))
+            out[sec.name] = {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items()}
+        return out
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _coerce(section: str, key: str, ftype: Any, value: Any, origin: str) -> Any:
+    where = f"{section}.{key} (from {origin})"
+    try:
+        if ftype in (bool, "bool"):
+            if isinstance(value, bool):
+                out: Any = value
+            elif isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                out = True
+            elif isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                out = False
+            else:
+                raise ValueError(f"expected a boolean, got {value!r}")
+        elif ftype in (int, "int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(f"expected an integer, got {value!r}")
+            out = int(value)
+        elif ftype in (float, "float"):
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            out = float(value)
+        elif ftype in (Path, "Path"):
+            if not isinstance(value, (str, Path)) or not str(value):
+                raise ValueError(f"expected a path, got {value!r}")
+            out = Path(value)
+        else:
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {value!r}")
+            out = value
+    except ValueError as exc:
+        raise ConfigError(f"config {where}: {exc}") from None
+    choices = _CHOICES.get((section, key))
+    if choices and out not in choices:
+        raise ConfigError(f"config {where}: {out!r} is not one of {', '.join(choices)}")
+    return out
+
+
+def _merge(
+    values: dict[str, dict[str, Any]], doc: Mapping[str, Any], origin: str
+) -> None:
+    sections = _section_types()
+    for sec_name, sec_values in doc.items():
+        if sec_name not in sections:
+            raise ConfigError(f"config {origin}: unknown section [{sec_name}]")
+        if not isinstance(sec_values, Mapping):
+            raise ConfigError(f"config {origin}: [{sec_name}] must be a table")
+        ftypes = {f.name: f.type for f in dataclasses.fields(sections[sec_name])}
+        for key, value in sec_values.items():
+            if key not in ftypes:
+                raise ConfigError(f"config {origin}: unknown key {sec_name}.{key}")
+            values[sec_name][key] = _coerce(sec_name, key, ftypes[key], value, origin)
+
+
+def _env_doc(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    doc: dict[str, dict[str, str]] = {}
+    sections = _section_types()
+    if environ.get("AENV_STATE_DIR"):
+        doc.setdefault("node", {})["state_dir"] = environ["AENV_STATE_DIR"]
+    for sec_name, sec_type in sections.items():
+        for f in dataclasses.fields(sec_type):
+            var = f"AENV_{sec_name.upper()}_{f.name.upper()}"
+            if var in environ:
+                doc.setdefault(sec_name, {})[f.name] = environ[var]
+    return doc
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Build the effective configuration (see the module docstring for precedence)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = {name: {} for name in _section_types()}
+    _merge(values, tomllib.loads(DEFAULT_CONFIG_TEXT), "embedded default")
+
+    file_path: Path | None = None
+    if path is not None:
+        file_path = Path(path)
+    elif environ.get("AENV_CONFIG"):
+        file_path = Path(environ["AENV_CONFIG"])
+    elif SYSTEM_CONFIG_PATH.exists():
+        file_path = SYSTEM_CONFIG_PATH
+    if file_path is not None:
+        try:
+            text = file_path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {file_path}: {exc.strerror}") from None
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file_path} is not valid TOML: {exc}") from None
+        _merge(values, doc, str(file_path))
+
+    _merge(values, _env_doc(environ), "environment")
+    if overrides:
+        _merge(values, {k: dict(v) for k, v in overrides.items() if v}, "command line")
+
+    sections = _section_types()
+    cfg = Config(**{name: sections[name](**vals) for name, vals in values.items()})
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    try:
+        if not 0 < cfg.api.port < 65536:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ConfigError(f"config api.listen: {cfg.api.listen!r} is not HOST:PORT") from None
+    st = cfg.storage
+    if not 0 < st.cache_low_watermark < st.cache_high_watermark <= 1:
+        raise ConfigError(
+            "config storage: need 0 < cache_low_watermark < cache_high_watermark <= 1"
+        )
+    if st.repository == "s3" and not (st.s3_endpoint and st.s3_bucket and st.s3_region):
+        raise ConfigError(
+            "config storage: repository = \"s3\" needs s3_endpoint, s3_bucket and s3_region"
+        )
+    if cfg.sandbox.default_timeout_s > cfg.sandbox.max_timeout_s:
+        raise ConfigError("config sandbox: default_timeout_s exceeds max_timeout_s")

@@ -1,0 +1,138 @@
+"""The node: what every part of the running server shares.
+
+A ``Node`` holds the effective configuration, the database, the API key, the
+in-flight operation tracker and the services the supervisor runs. The API
+layer gets one ``Node`` and asks it for everything; it never reaches into the
+layers below on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable, Protocol
+
+import trio
+
+from .. import __version__
+from ..config import Config
+from ..state import Database, Node as NodeRow, utcnow
+from ..state.repository import record_event
+from .operations import OperationTracker
+
+__all__ = ["Node", "Service", "Reconciler", "ensure_api_key", "node_id_for"]
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """A long-running part of the node, started in the supervisor's nursery."""
+
+    name: str
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
+
+
+#: A reconciler brings reality and the database into agreement at start.
+Reconciler = Callable[["Node"], Awaitable[None]]
+
+
+def node_id_for(cfg: Config) -> str:
+    return cfg.node.node_id or socket.gethostname()
+
+
+def ensure_api_key(cfg: Config) -> tuple[str, Path | None]:
+    """The API key: from config, else read or generated at <state>/secrets/api-key (0600).
+
+    Returns the key and the file it lives in (None when it came from config).
+    """
+    if cfg.api.api_key:
+        return cfg.api.api_key, None
+    path = cfg.api_key_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    try:
+        key = path.read_text().strip()
+        if key:
+            if path.stat().st_mode & 0o077:
+                os.chmod(path, 0o600)
+            return key, path
+    except FileNotFoundError:
+        pass
+    key = "aenv_" + secrets.token_hex(20)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (key + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return key, path
+
+
+@dataclass
+class Node:
+    cfg: Config
+    db: Database
+    api_key: str
+    api_key_path: Path | None = None
+    node_id: str = ""
+    tracker: OperationTracker = field(default_factory=OperationTracker)
+    services: list[Service] = field(default_factory=list)
+    reconcilers: list[Reconciler] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    version: str = __version__
+    #: Set to begin a graceful shutdown (the supervisor and the API server wait on it).
+    shutdown: trio.Event = field(default_factory=trio.Event)
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            self.node_id = node_id_for(self.cfg)
+
+    def request_shutdown(self) -> None:
+        self.shutdown.set()
+
+    async def register(self) -> None:
+        """Record this node as running (one row per node id) with its event."""
+
+        def work(s) -> None:  # type: ignore[no-untyped-def]
+            row = s.get(NodeRow, self.node_id)
+            now = utcnow()
+            if row is None:
+                row = NodeRow(id=self.node_id, hostname=socket.gethostname(),
+                              listen=self.cfg.api.listen, version=self.version)
+                s.add(row)
+            prev = row.state if row.state else None
+            row.listen = self.cfg.api.listen
+            row.version = self.version
+            row.state = "running"
+            row.started_at = now
+            row.heartbeat_at = now
+            row.stopped_at = None
+            record_event(s, "node_start", subject="node", subject_id=self.node_id,
+                         from_state=prev, to_state="running")
+
+        await self.db.run(work)
+
+    async def unregister(self, *, error: str | None = None) -> None:
+        def work(s) -> None:  # type: ignore[no-untyped-def]
+            row = s.get(NodeRow, self.node_id)
+            if row is None:
+                return
+            prev = row.state
+            row.state = "stopped"
+            row.stopped_at = utcnow()
+            record_event(s, "node_stop", subject="node", subject_id=self.node_id,
+                         from_state=prev, to_state="stopped", error=error)
+
+        await self.db.run(work)
+
+    async def reconcile(self) -> None:
+        for reconciler in self.reconcilers:
+            await reconciler(self)

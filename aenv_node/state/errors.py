@@ -1,0 +1,30 @@
+"""Typed errors of the state layer (mapped to API errors once, at the edge)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .models import SandboxState
+
+
+class StateError(Exception):
+    """Base of state-layer errors."""
+
+
+class NotFound(StateError):
+    """The row asked for does not exist (or is gone)."""
+
+
+class IllegalTransition(StateError):
+    """A lifecycle transition the state machine does not allow."""
+
+    def __init__(self, sandbox_id: str, current: "SandboxState", wanted: "SandboxState", operation: str):
+        self.sandbox_id = sandbox_id
+        self.current = current
+        self.wanted = wanted
+        self.operation = operation
+        super().__init__(
+            f"cannot {operation} sandbox {sandbox_id}: it is {current.value}"
+            f" (cannot go to {wanted.value})"
+        )

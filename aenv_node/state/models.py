@@ -1,0 +1,299 @@
+"""SQLAlchemy 2 typed models: the node's truth, readable with plain ``sqlite3``.
+
+Conventions a person querying the database can rely on:
+
+* table and column names are plain English, snake_case;
+* every timestamp is UTC ISO-8601 text with milliseconds and a ``Z``
+  (``2026-11-29T15:40:12.123Z``): it sorts as text and SQLite's date functions
+  (``julianday``, ``datetime``) understand it;
+* JSON only where the data is really free-form (metadata, env vars, policies);
+* durations are ``*_ms`` floats, sizes ``*_bytes`` or ``*_mb`` integers.
+
+The schema is created and changed only by the Alembic history in
+``migrations/``; a test checks that these models and the migrated schema do
+not drift apart.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from typing import Any, Optional
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+__all__ = [
+    "Base",
+    "UtcTimestamp",
+    "utcnow",
+    "SandboxState",
+    "TERMINAL_STATES",
+    "Node",
+    "Template",
+    "TemplateBuild",
+    "Sandbox",
+    "Snapshot",
+    "Layer",
+    "SnapshotLayer",
+    "CacheEntry",
+    "NetworkSlot",
+    "Event",
+]
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class UtcTimestamp(TypeDecorator[dt.datetime]):
+    """Aware UTC datetimes stored as ISO-8601 text ``YYYY-MM-DDTHH:MM:SS.mmmZ``."""
+
+    impl = String(24)
+    cache_ok = True
+
+    def process_bind_param(self, value: Optional[dt.datetime], dialect: Any) -> Optional[str]:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(dt.timezone.utc)
+        return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+
+    def process_result_value(self, value: Optional[str], dialect: Any) -> Optional[dt.datetime]:
+        if value is None:
+            return None
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+class SandboxState(str, enum.Enum):
+    """Lifecycle states (DESIGN.md "Sandbox lifecycle")."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    SNAPSHOTTING = "snapshotting"
+    FORKING = "forking"
+    KILLING = "killing"
+    KILLED = "killed"
+    ERROR = "error"
+
+
+TERMINAL_STATES = frozenset({SandboxState.KILLED})
+
+# Deterministic constraint names keep Alembic's autogenerate and batch mode sane.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dt.datetime: UtcTimestamp, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Node(Base):
+    """A node process that has used this database (one row per node id)."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    listen: Mapped[str] = mapped_column(String(255))
+    version: Mapped[str] = mapped_column(String(32))
+    state: Mapped[str] = mapped_column(String(16), default="running")  # running | stopped
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    stopped_at: Mapped[Optional[dt.datetime]]
+
+
+class Template(Base):
+    """A template sandboxes are created from: built from a rootfs, or a snapshot."""
+
+    __tablename__ = "templates"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    alias: Mapped[Optional[str]] = mapped_column(String(128), unique=True)
+    kind: Mapped[str] = mapped_column(String(16), default="template")  # template | snapshot
+    status: Mapped[str] = mapped_column(String(16), default="building")  # building | ready | error
+    cpu_count: Mapped[int] = mapped_column(Integer, default=2)
+    memory_mb: Mapped[int] = mapped_column(Integer, default=512)
+    disk_size_mb: Mapped[int] = mapped_column(Integer, default=2048)
+    envd_version: Mapped[str] = mapped_column(String(32), default="")
+    boot_snapshot_id: Mapped[Optional[str]] = mapped_column(
+        ForeignKey("snapshots.id", ondelete="SET NULL")
+    )
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class TemplateBuild(Base):
+    __tablename__ = "template_builds"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    template_id: Mapped[str] = mapped_column(ForeignKey("templates.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(16), default="building")  # building | ready | error
+    source: Mapped[str] = mapped_column(Text, default="")  # rootfs path, OCI ref, directory
+    kit_hash: Mapped[str] = mapped_column(String(64), default="")
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[Optional[dt.datetime]]
+    duration_ms: Mapped[Optional[float]] = mapped_column(Float)
+    error: Mapped[Optional[str]] = mapped_column(Text)
+    log_path: Mapped[Optional[str]] = mapped_column(Text)
+
+
+class Sandbox(Base):
+    __tablename__ = "sandboxes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    template_id: Mapped[str] = mapped_column(String(64), index=True)
+    node_id: Mapped[str] = mapped_column(String(64), default="")
+    state: Mapped[str] = mapped_column(String(16), index=True, default=SandboxState.CREATING.value)
+    client_id: Mapped[str] = mapped_column(String(64), default="")
+    alias: Mapped[Optional[str]] = mapped_column(String(128))
+    cpu_count: Mapped[int] = mapped_column(Integer, default=2)
+    memory_mb: Mapped[int] = mapped_column(Integer, default=512)
+    disk_size_mb: Mapped[int] = mapped_column(Integer, default=2048)
+    envd_version: Mapped[str] = mapped_column(String(32), default="")
+    envd_access_token: Mapped[Optional[str]] = mapped_column(String(128))
+    traffic_access_token: Mapped[Optional[str]] = mapped_column(String(128))
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    env_vars: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    auto_pause: Mapped[bool] = mapped_column(Boolean, default=True)
+    auto_resume: Mapped[bool] = mapped_column(Boolean, default=False)
+    secure: Mapped[bool] = mapped_column(Boolean, default=False)
+    allow_internet_access: Mapped[bool] = mapped_column(Boolean, default=True)
+    network_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # The snapshot this sandbox's current run was restored from (its head when paused).
+    snapshot_id: Mapped[Optional[str]] = mapped_column(
+        ForeignKey("snapshots.id", ondelete="SET NULL")
+    )
+    parent_sandbox_id: Mapped[Optional[str]] = mapped_column(String(64))  # set for forks
+    slot_index: Mapped[Optional[int]] = mapped_column(Integer)
+    vmm: Mapped[str] = mapped_column(String(16), default="")
+    vmm_pid: Mapped[Optional[int]] = mapped_column(Integer)
+    workdir: Mapped[Optional[str]] = mapped_column(Text)
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    end_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    paused_at: Mapped[Optional[dt.datetime]]
+    killed_at: Mapped[Optional[dt.datetime]]
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    error: Mapped[Optional[str]] = mapped_column(Text)
+
+
+class Snapshot(Base):
+    """A committed point of a sandbox's life: the snapshot DAG (parent, source sandbox)."""
+
+    __tablename__ = "snapshots"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # boot | pause | user | fork | periodic
+    status: Mapped[str] = mapped_column(String(16), default="committing")  # committing | committed | deleted
+    name: Mapped[Optional[str]] = mapped_column(String(128))
+    parent_id: Mapped[Optional[str]] = mapped_column(
+        ForeignKey("snapshots.id", ondelete="SET NULL"), index=True
+    )
+    source_sandbox_id: Mapped[Optional[str]] = mapped_column(String(64), index=True)
+    template_id: Mapped[Optional[str]] = mapped_column(String(64))
+    vmm: Mapped[str] = mapped_column(String(16), default="")
+    vmstate_location: Mapped[Optional[str]] = mapped_column(Text)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    memory_mb: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    committed_at: Mapped[Optional[dt.datetime]]
+
+    layers: Mapped[list["SnapshotLayer"]] = relationship(
+        order_by="SnapshotLayer.position", cascade="all, delete-orphan"
+    )
+
+
+class Layer(Base):
+    """An immutable, content-addressed layer file in the repository."""
+
+    __tablename__ = "layers"
+
+    digest: Mapped[str] = mapped_column(String(71), primary_key=True)  # "sha256:<hex>"
+    kind: Mapped[str] = mapped_column(String(8))  # disk | memory
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    virtual_size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    location: Mapped[str] = mapped_column(Text)  # repository key
+    refcount: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class SnapshotLayer(Base):
+    """Which layers a snapshot stacks, bottom first, per kind."""
+
+    __tablename__ = "snapshot_layers"
+
+    snapshot_id: Mapped[str] = mapped_column(
+        ForeignKey("snapshots.id", ondelete="CASCADE"), primary_key=True
+    )
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # disk | memory
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    layer_digest: Mapped[str] = mapped_column(ForeignKey("layers.digest"), index=True)
+
+
+class CacheEntry(Base):
+    """The local cache's view of one layer: what is cached and how it is used."""
+
+    __tablename__ = "cache_entries"
+
+    layer_digest: Mapped[str] = mapped_column(String(71), primary_key=True)
+    path: Mapped[str] = mapped_column(Text)  # sparse cache file
+    size_bytes: Mapped[int] = mapped_column(Integer)  # full layer size
+    cached_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    hits: Mapped[int] = mapped_column(Integer, default=0)
+    misses: Mapped[int] = mapped_column(Integer, default=0)
+    fetched_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    evicted_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_access_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+
+
+class NetworkSlot(Base):
+    __tablename__ = "network_slots"
+
+    index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    netns: Mapped[str] = mapped_column(String(64))
+    host_ip: Mapped[str] = mapped_column(String(45))
+    slot_ip: Mapped[str] = mapped_column(String(45))
+    state: Mapped[str] = mapped_column(String(16), default="warm")  # warm | in_use
+    sandbox_id: Mapped[Optional[str]] = mapped_column(String(64), index=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Event(Base):
+    """Append-only history: one row per state change, written in its transaction."""
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_sandbox_id_ts", "sandbox_id", "ts"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    sandbox_id: Mapped[Optional[str]] = mapped_column(String(64))
+    subject: Mapped[str] = mapped_column(String(16), default="sandbox")  # sandbox | template | node | snapshot
+    subject_id: Mapped[Optional[str]] = mapped_column(String(64))
+    operation: Mapped[str] = mapped_column(String(32), index=True)
+    from_state: Mapped[Optional[str]] = mapped_column(String(16))
+    to_state: Mapped[Optional[str]] = mapped_column(String(16))
+    duration_ms: Mapped[Optional[float]] = mapped_column(Float)
+    error: Mapped[Optional[str]] = mapped_column(Text)
+    detail: Mapped[Optional[dict[str, Any]]] = mapped_column(JSON(none_as_null=True))

@@ -1,0 +1,67 @@
+"""Fixtures shared by every test folder: a state directory, a config, a live node."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import httpx
+import pytest
+import trio
+
+from aenv_node.config import Config, load_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "state"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def node_config(state_dir: Path) -> Config:
+    return load_config(
+        environ={},
+        overrides={
+            "node": {"state_dir": str(state_dir), "shutdown_grace_s": 5},
+            "api": {"listen": f"127.0.0.1:{free_port()}"},
+            "net": {"egress": False},
+        },
+    )
+
+
+@dataclass
+class LiveNode:
+    url: str
+    api_key: str
+    node: object  # aenv_node.runtime.Node
+    cancel: trio.CancelScope
+
+    def client(self, *, key: str | None = None) -> httpx.AsyncClient:
+        headers = {"X-API-KEY": self.api_key if key is None else key}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30)
+
+
+@pytest.fixture
+async def live_node(node_config: Config) -> AsyncIterator[LiveNode]:
+    """A node (supervisor + API server) running in this test's Trio run."""
+    from aenv_node.api.server import ApiServer
+    from aenv_node.runtime import Node, ensure_api_key, run_node
+    from aenv_node.state import Database
+
+    key, path = ensure_api_key(node_config)
+    node = Node(node_config, Database(node_config.database_path), key, path)
+    node.services.append(ApiServer(node))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: run_node(node, handle_signals=False, task_status=task_status))
+        yield LiveNode(f"http://{node_config.api.listen}", key, node, nursery.cancel_scope)
+        node.request_shutdown()

@@ -1,0 +1,94 @@
+"""Config precedence: embedded default < file < environment < flags."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from aenv_node.config import DEFAULT_CONFIG_TEXT, ConfigError, load_config
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def test_embedded_default_needs_no_file(tmp_path: Path) -> None:
+    cfg = load_config(environ={})
+    assert cfg.state_dir == Path("/var/lib/aenv")
+    assert cfg.api.listen == "127.0.0.1:8000"
+    assert cfg.database_path == Path("/var/lib/aenv/aenv.db")
+    assert cfg.api_key_path == Path("/var/lib/aenv/secrets/api-key")
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[api]\nlisten = "0.0.0.0:9000"\ndomain = "file.example"\n'
+                 '[sandbox]\nfork_max_count = 7\n[node]\nstate_dir = "/from/file"\n')
+    cfg = load_config(f, environ={})
+    assert (cfg.api.listen, cfg.api.domain, cfg.sandbox.fork_max_count) == ("0.0.0.0:9000", "file.example", 7)
+    assert cfg.state_dir == Path("/from/file")
+
+    env = {"AENV_API_LISTEN": "127.0.0.2:9001", "AENV_STATE_DIR": "/from/env",
+           "AENV_SANDBOX_FORK_MAX_COUNT": "9", "AENV_NET_EGRESS": "false"}
+    cfg = load_config(f, environ=env)
+    assert cfg.api.listen == "127.0.0.2:9001"
+    assert cfg.api.domain == "file.example"  # untouched by env
+    assert cfg.sandbox.fork_max_count == 9 and cfg.net.egress is False
+    assert cfg.state_dir == Path("/from/env")
+
+    cfg = load_config(f, environ=env, overrides={"node": {"state_dir": "/from/flag"}})
+    assert cfg.state_dir == Path("/from/flag")
+
+
+def test_long_env_form_beats_nothing_short_form_used(tmp_path: Path) -> None:
+    cfg = load_config(environ={"AENV_NODE_STATE_DIR": "/long"})
+    assert cfg.state_dir == Path("/long")
+
+
+def test_config_file_from_env(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[vmm]\nkind = "qemu"\n')
+    assert load_config(environ={"AENV_CONFIG": str(f)}).vmm.kind == "qemu"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[nope]\nx = 1\n", "unknown section [nope]"),
+        ("[api]\nlistn = \"x\"\n", "unknown key api.listn"),
+        ("[sandbox]\nfork_max_count = \"many\"\n", "sandbox.fork_max_count"),
+        ("[vmm]\nkind = \"xen\"\n", "not one of auto, qemu, firecracker"),
+        ("[api]\nlisten = \"nohost\"\n", "is not HOST:PORT"),
+        ("[storage]\nrepository = \"s3\"\n", "needs s3_endpoint"),
+        ("[storage]\ncache_low_watermark = 0.99\n", "cache_low_watermark"),
+        ("not toml ===", "not valid TOML"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(f, environ={})
+
+
+def test_bad_env_value_names_the_variable_origin() -> None:
+    with pytest.raises(ConfigError, match=r"net\.egress \(from environment\)"):
+        load_config(environ={"AENV_NET_EGRESS": "maybe"})
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.toml", environ={})
+
+
+def test_every_key_is_documented() -> None:
+    doc = DOCS.read_text()
+    defaults = tomllib.loads(DEFAULT_CONFIG_TEXT)
+    missing = [
+        f"{section}.{key}"
+        for section, values in defaults.items()
+        for key in values
+        if f"`{section}.{key}`" not in doc
+    ]
+    assert missing == []
