@@ -1,0 +1,79 @@
+"""VMM drivers behind one interface: QEMU microvm (QMP) and Firecracker (REST), chosen by config.
+
+Public face: the interface and its data (`VmmDriver`, `Vm`, `VmConfig`, ...), the two drivers, host
+detection (`detect_accel`, `make_driver`), memory-image helpers (`memfile`) and the errors. Nothing above
+this package needs to know which VMM runs a VM.
+"""
+
+from . import memfile
+from .accel import AccelInfo, detect_accel
+from .driver import (
+    PAGE_SIZE,
+    Accel,
+    BalloonConfig,
+    CaptureKind,
+    CaptureResult,
+    Drive,
+    MemoryMode,
+    MemoryRange,
+    NetIf,
+    SnapshotFiles,
+    SnapshotFormat,
+    Vm,
+    VmConfig,
+    VmmDriver,
+    VmState,
+    VmStats,
+)
+from .errors import (
+    BalloonNotAllowed,
+    SnapshotError,
+    UnsupportedOperation,
+    VmmApiError,
+    VmmConfigError,
+    VmmError,
+    VmmExited,
+    VmmNotInstalled,
+    VmmStartError,
+    VmmTimeout,
+)
+from .firecracker import FirecrackerDriver, JailerConfig
+from .qemu import QemuDriver
+from .select import DriverChoice, make_driver
+
+__all__ = [
+    "PAGE_SIZE",
+    "Accel",
+    "AccelInfo",
+    "BalloonConfig",
+    "BalloonNotAllowed",
+    "CaptureKind",
+    "CaptureResult",
+    "Drive",
+    "DriverChoice",
+    "FirecrackerDriver",
+    "JailerConfig",
+    "MemoryMode",
+    "MemoryRange",
+    "NetIf",
+    "QemuDriver",
+    "SnapshotError",
+    "SnapshotFiles",
+    "SnapshotFormat",
+    "UnsupportedOperation",
+    "Vm",
+    "VmConfig",
+    "VmState",
+    "VmStats",
+    "VmmApiError",
+    "VmmConfigError",
+    "VmmDriver",
+    "VmmError",
+    "VmmExited",
+    "VmmNotInstalled",
+    "VmmStartError",
+    "VmmTimeout",
+    "detect_accel",
+    "make_driver",
+    "memfile",
+]

@@ -1,0 +1,194 @@
+"""One VMM process, owned by one async context manager.
+
+`vmm_process()` starts the process and guarantees, however the block is left (return, exception, Trio
+cancellation), that the process is killed (SIGKILL: a VMM holds no state we could lose by it; snapshots are
+explicit) and reaped, and that its control sockets are removed. The cleanup runs in a shielded cancel scope,
+so a cancelled sandbox scope still leaves nothing behind.
+
+We do not use PR_SET_PDEATHSIG: Trio spawns processes from a worker thread, and the signal fires when that
+*thread* exits, not the node. VMM processes orphaned by a node crash are the reconciler's job; drivers name
+them (`-name` / `--id`) so it can find them.
+
+Also here: the /proc readings every driver's `stats()` needs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from .errors import VmmExited, VmmNotInstalled, VmmStartError
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class VmmProcess:
+    """A started VMM process. Created only by `vmm_process()`."""
+
+    def __init__(self, proc: trio.Process, log_path: Path, extra_logs: Sequence[Path] = ()) -> None:
+        self._proc = proc
+        self.log_path = log_path
+        self.extra_logs = tuple(extra_logs)
+        self.started_at = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll()
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        """The end of the VMM's output (and of its own log files, if it keeps any)."""
+        parts = []
+        for path in (*self.extra_logs, self.log_path):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(0, f.tell() - n_bytes))
+                    text = f.read().decode(errors="replace").strip()
+            except OSError:
+                continue
+            if text:
+                parts.append(f"[{path.name}]\n{text}" if self.extra_logs else text)
+        return "\n".join(parts)
+
+    def check_alive(self, doing: str) -> None:
+        if self._proc.poll() is not None:
+            raise VmmExited(
+                f"VMM process {self.pid} exited with status {self._proc.returncode} while {doing}\n"
+                f"--- VMM output (tail) ---\n{self.log_tail()}"
+            )
+
+    async def kill(self) -> None:
+        """SIGKILL and reap. Idempotent; never raises for an already-dead process."""
+        if self._proc.poll() is None:
+            try:
+                self._proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        with trio.CancelScope(shield=True):
+            await self._proc.wait()
+
+    async def wait_for_socket(self, path: Path, timeout: float) -> None:
+        """Until `path` accepts connections; fails fast if the process exits first."""
+        deadline = trio.current_time() + timeout
+        delay = 0.0005
+        while True:
+            if self._proc.poll() is not None:
+                raise VmmStartError(
+                    f"VMM process {self.pid} exited with status {self._proc.returncode} before opening {path}",
+                    log_tail=self.log_tail(),
+                )
+            if path.exists():
+                try:
+                    stream = await trio.open_unix_socket(str(path))
+                except OSError:
+                    pass
+                else:
+                    await stream.aclose()
+                    return
+            if trio.current_time() > deadline:
+                raise VmmStartError(
+                    f"VMM process {self.pid} did not open {path} within {timeout:.1f} s", log_tail=self.log_tail()
+                )
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.002)
+
+
+@asynccontextmanager
+async def vmm_process(
+    argv: Sequence[str],
+    *,
+    log_path: Path,
+    stdout_path: Path | None = None,
+    sockets: Sequence[Path] = (),
+    netns: Path | None = None,
+    cwd: Path | None = None,
+    extra_logs: Sequence[Path] = (),
+) -> AsyncIterator[VmmProcess]:
+    """Start `argv` (inside `netns` if given); kill, reap and remove `sockets` on exit.
+
+    stderr goes to `log_path`; stdout to `stdout_path` (e.g. a serial console) or also to `log_path`.
+    `extra_logs`: log files the VMM writes itself, included in error messages.
+    """
+    exe = argv[0]
+    if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+        raise VmmNotInstalled(f"VMM binary not found or not executable: {exe}")
+    for s in sockets:
+        s.unlink(missing_ok=True)
+    full_argv = list(argv)
+    if netns is not None:
+        if not netns.exists():
+            raise VmmStartError(f"network namespace {netns} does not exist")
+        # nsenter execs the VMM in place: the pid we hold is the VMM's.
+        full_argv = ["nsenter", f"--net={netns}", "--", *full_argv]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_f:
+        out_f = open(stdout_path, "wb") if stdout_path is not None else None
+        try:
+            proc = await trio.lowlevel.open_process(
+                full_argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out_f if out_f is not None else log_f,
+                stderr=log_f,
+                cwd=str(cwd) if cwd else None,
+                start_new_session=True,  # a ^C to the node must not reach VMMs before we clean up
+            )
+        finally:
+            if out_f is not None:
+                out_f.close()
+    vp = VmmProcess(proc, log_path, extra_logs)
+    try:
+        yield vp
+    finally:
+        with trio.CancelScope(shield=True):
+            await vp.kill()
+            for s in sockets:
+                try:
+                    s.unlink(missing_ok=True)
+                except OSError:
+                    pass
+
+
+# ---- /proc readings ------------------------------------------------------------------------------------
+
+
+def proc_memory(pid: int) -> tuple[int, int]:
+    """(Rss, Pss) of a process in bytes, from /proc/PID/smaps_rollup."""
+    rss = pss = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return rss, pss
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
