@@ -1,0 +1,53 @@
+"""Layered block storage: immutable content-addressed layers, a writable upper per sandbox, images that stack
+them and serve them as a block device to frontends (NBD, FUSE, ublk), and the operations on stacks (seal,
+compaction, import, diff, materialize into a flat file)."""
+
+from .blockdev import BlockDevice, FlatFileDevice
+from .compact import Change, compact_layers, diff_extents
+from .errors import (
+    ImageError,
+    LayerCorrupt,
+    LayerFormatError,
+    OutOfRange,
+    ReadOnlyDevice,
+    StorageError,
+    UpperCorrupt,
+    UpperFull,
+)
+from .image import Image
+from .importer import import_raw
+from .layer import Extent, LayerInfo, LayerReader, LayerWriter
+from .layer_pool import LayerPool
+from .materialize import MaterializeStats, materialize, reflink_supported
+from .source import BytesSource, FileSource, RandomAccessSource
+from .upper import Upper
+
+__all__ = [
+    "BlockDevice",
+    "FlatFileDevice",
+    "RandomAccessSource",
+    "FileSource",
+    "BytesSource",
+    "Image",
+    "Upper",
+    "LayerReader",
+    "LayerWriter",
+    "LayerPool",
+    "LayerInfo",
+    "Extent",
+    "Change",
+    "compact_layers",
+    "diff_extents",
+    "import_raw",
+    "materialize",
+    "MaterializeStats",
+    "reflink_supported",
+    "StorageError",
+    "OutOfRange",
+    "ReadOnlyDevice",
+    "LayerCorrupt",
+    "LayerFormatError",
+    "UpperCorrupt",
+    "UpperFull",
+    "ImageError",
+]
