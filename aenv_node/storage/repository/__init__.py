@@ -1,0 +1,71 @@
+"""The layer repository: persistent, shared store of immutable layers and snapshot manifests.
+
+One interface (``Repository``), two backends: ``posix_fs`` (a directory, the default) and ``s3``.
+``open_repository(kind, **options)`` builds one from the node's ``[storage]`` configuration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import CommitResult, Repository, digest_of_file, layer_key, manifest_key
+from .errors import (
+    DigestMismatch,
+    IncompleteSnapshot,
+    InvalidName,
+    LayerNotFound,
+    ManifestNotFound,
+    RepositoryError,
+    RepositoryUnavailable,
+)
+from .posix_fs import PosixFsRepository
+
+__all__ = [
+    "Repository",
+    "CommitResult",
+    "PosixFsRepository",
+    "S3Repository",
+    "open_repository",
+    "digest_of_file",
+    "layer_key",
+    "manifest_key",
+    "RepositoryError",
+    "RepositoryUnavailable",
+    "LayerNotFound",
+    "ManifestNotFound",
+    "DigestMismatch",
+    "InvalidName",
+    "IncompleteSnapshot",
+]
+
+KINDS = ("posix_fs", "s3")
+
+
+def open_repository(kind: str, **options: Any) -> Repository:
+    """Build a repository of ``kind`` from explicit options.
+
+    * ``posix_fs``: ``path`` (root directory), optional ``create``, ``durable``;
+    * ``s3``: ``bucket``, ``region``, optional ``endpoint_url``, ``prefix``, credentials, multipart and retry
+      settings (see ``S3Repository``).
+
+    The node maps its config keys (``repository_path``, ``s3_endpoint``, ``s3_bucket``, ``s3_region``,
+    ``s3_prefix``) onto these.
+    """
+    if kind == "posix_fs":
+        path = options.pop("path", None) or options.pop("root", None)
+        if not path:
+            raise ValueError("posix_fs repository needs a path")
+        return PosixFsRepository(path, **options)
+    if kind == "s3":
+        from .s3 import S3Repository
+
+        return S3Repository(**options)
+    raise ValueError(f"unknown repository kind {kind!r} (want one of {', '.join(KINDS)})")
+
+
+def __getattr__(name: str) -> Any:  # boto3 is imported only when the s3 backend is used
+    if name == "S3Repository":
+        from .s3 import S3Repository
+
+        return S3Repository
+    raise AttributeError(name)

@@ -1,0 +1,77 @@
+"""Typed errors of the layer repository.
+
+They derive from ``StorageError`` so callers that only care "storage failed" catch one class, while the node's
+reconciler and the snapshot code can tell a missing layer (re-commit it, or mark the snapshot broken) from a
+repository that is unreachable (retry later) or a digest that does not match its bytes (never store it).
+"""
+
+from __future__ import annotations
+
+from ..errors import StorageError
+
+__all__ = [
+    "RepositoryError",
+    "RepositoryUnavailable",
+    "LayerNotFound",
+    "ManifestNotFound",
+    "DigestMismatch",
+    "InvalidName",
+    "IncompleteSnapshot",
+]
+
+
+class RepositoryError(StorageError):
+    """Base class of every repository error."""
+
+
+class RepositoryUnavailable(RepositoryError):
+    """The repository cannot be reached or refused the request (after the configured retries)."""
+
+
+class LayerNotFound(RepositoryError, KeyError):
+    """No layer with this digest is in the repository."""
+
+    def __init__(self, digest: str, where: str = "") -> None:
+        self.digest = digest
+        super().__init__(f"layer {digest} is not in the repository" + (f" ({where})" if where else ""))
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class ManifestNotFound(RepositoryError, KeyError):
+    """No manifest with this id is in the repository."""
+
+    def __init__(self, manifest_id: str, where: str = "") -> None:
+        self.manifest_id = manifest_id
+        super().__init__(f"manifest {manifest_id!r} is not in the repository" + (f" ({where})" if where else ""))
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class DigestMismatch(RepositoryError, ValueError):
+    """The bytes given for a layer do not hash to the digest they were given under; nothing was stored."""
+
+    def __init__(self, expected: str, actual: str, source: str = "") -> None:
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"layer {source or 'data'} hashes to {actual}, not {expected}: refusing to store it under that digest"
+        )
+
+
+class InvalidName(RepositoryError, ValueError):
+    """A digest or manifest id that is not well formed (digests are ``sha256:<64 hex>``)."""
+
+
+class IncompleteSnapshot(RepositoryError):
+    """A snapshot manifest would name layers that are not in the repository; the manifest was not written."""
+
+    def __init__(self, manifest_id: str, missing: list[str]) -> None:
+        self.manifest_id = manifest_id
+        self.missing = missing
+        super().__init__(
+            f"snapshot {manifest_id!r} names {len(missing)} layer(s) missing from the repository "
+            f"and not given to upload: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )

@@ -1,0 +1,236 @@
+"""``posix_fs``: the default repository, a plain directory (local disk or a shared filesystem such as NFS,
+CephFS or Lustre mounted on every node).
+
+Layout (the same keys as every backend)::
+
+    <root>/layers/sha256/ab/<hex>      one immutable file per layer
+    <root>/manifests/<id>.json         one small JSON document per snapshot
+
+Atomic commits use the classic sequence: write to a temporary name *in the same directory* (``.tmp-...``, never
+listed), ``fsync`` it, ``rename`` it over the final name, ``fsync`` the directory.  ``rename`` within one
+directory is atomic on POSIX filesystems (and on the usual distributed ones), so a reader sees either no file
+or the whole file; the two fsyncs make the result survive a power cut in that order.  Layers are hashed while
+they are copied in, so a file that does not match its digest never gets a final name.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import time
+import uuid
+from pathlib import Path
+
+from .base import (
+    READ_CHUNK,
+    Repository,
+    check_digest,
+    iter_file,
+    layer_key,
+    manifest_key,
+    verify_digest,
+)
+from .errors import LayerNotFound, ManifestNotFound, RepositoryError, RepositoryUnavailable
+
+__all__ = ["PosixFsRepository"]
+
+_TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PosixFsRepository(Repository):
+    """A repository in a directory.  ``durable=False`` skips the fsyncs (scratch repositories only)."""
+
+    kind = "posix_fs"
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, durable: bool = True) -> None:
+        self.root = Path(root)
+        self.durable = durable
+        if create:
+            for d in (self.root / "layers" / "sha256", self.root / "manifests"):
+                d.mkdir(parents=True, exist_ok=True)
+        elif not (self.root / "layers").is_dir():
+            raise RepositoryUnavailable(f"{self.root} is not a repository (no layers/ directory)")
+
+    def __repr__(self) -> str:
+        return f"PosixFsRepository({str(self.root)!r})"
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _layer_path(self, digest: str) -> Path:
+        return self.root / layer_key(digest)
+
+    def _tmp_name(self, directory: Path, stem: str) -> Path:
+        return directory / f"{_TMP_PREFIX}{stem}-{uuid.uuid4().hex[:12]}"
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        os.rename(tmp, final)
+        if self.durable:
+            _fsync_dir(final.parent)
+
+    def _write_atomic(self, final: Path, chunks, stem: str, check=None) -> None:  # type: ignore[no-untyped-def]
+        """Write ``chunks`` to ``final`` atomically; ``check()`` runs after the data is written, before publish."""
+        directory = final.parent
+        if not directory.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.durable:
+                _fsync_dir(directory.parent)
+        tmp = self._tmp_name(directory, stem)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            with open(fd, "wb", buffering=0) as f:
+                for b in chunks:
+                    view = memoryview(b)
+                    while view:
+                        n = f.write(view)
+                        view = view[n:]
+                if check is not None:
+                    check()
+                if self.durable:
+                    os.fsync(f.fileno())
+            self._publish(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    # -- layers -------------------------------------------------------------------------------------------
+    def put_layer(self, digest: str, path: str | os.PathLike[str]) -> str:
+        hexd = check_digest(digest)
+        final = self._layer_path(digest)
+        key = layer_key(digest)
+        if final.exists():
+            return key
+        h = hashlib.sha256()
+
+        def hashed():  # type: ignore[no-untyped-def]
+            for b in iter_file(path, READ_CHUNK):
+                h.update(b)
+                yield b
+
+        try:
+            self._write_atomic(final, hashed(), hexd[:16], check=lambda: verify_digest(digest, h, os.fspath(path)))
+        except OSError as e:
+            raise RepositoryError(f"cannot store layer {digest} from {os.fspath(path)} in {self.root}: {e}") from e
+        return key
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range offset={offset} length={length}")
+        p = self._layer_path(digest)
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise LayerNotFound(digest, str(self.root)) from None
+        try:
+            if length == 0:
+                return b""
+            out = os.pread(fd, length, offset)
+            if len(out) < length:  # pread may return short on some filesystems: loop to EOF
+                parts = [out]
+                got = len(out)
+                while got < length:
+                    b = os.pread(fd, length - got, offset + got)
+                    if not b:
+                        break
+                    parts.append(b)
+                    got += len(b)
+                out = b"".join(parts)
+            return out
+        finally:
+            os.close(fd)
+
+    def layer_size(self, digest: str) -> int:
+        try:
+            return self._layer_path(digest).stat().st_size
+        except FileNotFoundError:
+            raise LayerNotFound(digest, str(self.root)) from None
+
+    def local_path(self, digest: str) -> str | None:
+        return str(self._layer_path(digest))
+
+    def has_layer(self, digest: str) -> bool:
+        return self._layer_path(digest).is_file()
+
+    def delete_layer(self, digest: str) -> None:
+        p = self._layer_path(digest)
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            return
+        if self.durable:
+            _fsync_dir(p.parent)
+
+    def list_layers(self) -> list[str]:
+        out = []
+        base = self.root / "layers" / "sha256"
+        for sub in sorted(base.iterdir()) if base.is_dir() else ():
+            if not sub.is_dir():
+                continue
+            for f in sorted(sub.iterdir()):
+                name = f.name
+                if not name.startswith(".") and len(name) == 64:
+                    out.append("sha256:" + name)
+        return out
+
+    # -- manifests ----------------------------------------------------------------------------------------
+    def _put_manifest_bytes(self, manifest_id: str, data: bytes) -> None:
+        final = self.root / manifest_key(manifest_id)
+        try:
+            self._write_atomic(final, [data], manifest_id[:32])
+        except OSError as e:
+            raise RepositoryError(f"cannot write manifest {manifest_id!r} in {self.root}: {e}") from e
+
+    def _get_manifest_bytes(self, manifest_id: str) -> bytes:
+        try:
+            return (self.root / manifest_key(manifest_id)).read_bytes()
+        except FileNotFoundError:
+            raise ManifestNotFound(manifest_id, str(self.root)) from None
+
+    def has_manifest(self, manifest_id: str) -> bool:
+        return (self.root / manifest_key(manifest_id)).is_file()
+
+    def list_manifests(self) -> list[str]:
+        d = self.root / "manifests"
+        return sorted(f.name[: -len(".json")] for f in d.iterdir() if f.name.endswith(".json") and not f.name.startswith("."))
+
+    def delete_manifest(self, manifest_id: str) -> None:
+        p = self.root / manifest_key(manifest_id)
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            return
+        if self.durable:
+            _fsync_dir(p.parent)
+
+    # -- housekeeping -------------------------------------------------------------------------------------
+    def sweep_incomplete(self, older_than_s: float = 3600.0) -> int:
+        cutoff = time.time() - older_than_s
+        removed = 0
+        dirs = [self.root / "manifests"]
+        base = self.root / "layers" / "sha256"
+        if base.is_dir():
+            dirs += [d for d in base.iterdir() if d.is_dir()]
+        for d in dirs:
+            for f in d.iterdir():
+                if not f.name.startswith(_TMP_PREFIX):
+                    continue
+                try:
+                    if f.stat().st_mtime < cutoff:
+                        f.unlink()
+                        removed += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    if e.errno not in (errno.ENOENT,):
+                        raise
+        return removed

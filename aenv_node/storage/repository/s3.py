@@ -1,0 +1,352 @@
+"""``s3``: a repository in an S3-compatible object store (AWS S3, MinIO, Ceph RGW, ...), through boto3.
+
+Keys are ``<prefix>layers/sha256/ab/<hex>`` and ``<prefix>manifests/<id>.json`` (the same layout as posix_fs).
+
+Atomicity comes from S3 itself: an object becomes visible only when its PUT completes, or when
+``CompleteMultipartUpload`` succeeds for a multipart upload.  Layers larger than ``multipart_threshold`` are
+sent as a multipart upload (parts of ``part_size``, ``upload_concurrency`` in flight); the SHA-256 is computed
+while the parts are read, and the upload is completed only if it matches the digest.  On any failure (digest
+mismatch, an error from S3, cancellation) the upload is aborted, so no half-written layer and no pending
+multipart upload remain; ``sweep_incomplete`` removes the leftovers of a process that died mid-upload.
+
+Retries are botocore's own (``retries={"mode": "standard"|"adaptive", "max_attempts": N}``: exponential backoff
+with jitter on throttling, 5xx and connection errors), so there is no hand-written retry loop here.  A boto3
+low-level client is thread-safe, so one client is shared by every thread; ``max_pool_connections`` bounds the
+connections it keeps.  All calls block: async callers use ``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as dt
+import hashlib
+import os
+from typing import Any, Callable, TypeVar
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from .base import READ_CHUNK, Repository, check_digest, iter_file, layer_key, manifest_key, verify_digest
+from .errors import LayerNotFound, ManifestNotFound, RepositoryError, RepositoryUnavailable
+
+__all__ = ["S3Repository", "MIN_PART_SIZE"]
+
+T = TypeVar("T")
+
+#: S3's smallest allowed part (all but the last part of a multipart upload).
+MIN_PART_SIZE = 5 * 1024 * 1024
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchUpload"}
+
+
+class S3Repository(Repository):
+    """A repository in one S3 bucket under ``prefix``.
+
+    ``endpoint_url``, ``bucket`` and ``region`` are explicit (no guessing from the environment).  Credentials may
+    be given explicitly; if not, boto3's standard chain applies (environment, shared config, instance role).
+    """
+
+    kind = "s3"
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        region: str,
+        endpoint_url: str | None = None,
+        prefix: str = "",
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        multipart_threshold: int = 64 * 1024 * 1024,
+        part_size: int = 16 * 1024 * 1024,
+        upload_concurrency: int = 4,
+        retry_mode: str = "standard",
+        max_attempts: int = 5,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 60.0,
+        max_pool_connections: int = 32,
+        addressing_style: str = "path",
+    ) -> None:
+        if not bucket:
+            raise ValueError("s3 repository: bucket is required")
+        if not region:
+            raise ValueError("s3 repository: region is required (e.g. 'us-east-1')")
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"s3 part_size must be >= {MIN_PART_SIZE} bytes (S3's minimum), got {part_size}")
+        if multipart_threshold < part_size:
+            raise ValueError("s3 multipart_threshold must be >= part_size")
+        if retry_mode not in ("standard", "adaptive", "legacy"):
+            raise ValueError(f"s3 retry_mode must be standard or adaptive, got {retry_mode!r}")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        self.bucket = bucket
+        self.region = region
+        self.endpoint_url = endpoint_url or None
+        self.prefix = prefix
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.upload_concurrency = max(1, upload_concurrency)
+        config = botocore.config.Config(
+            region_name=region,
+            retries={"mode": retry_mode, "max_attempts": max_attempts},
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            max_pool_connections=max_pool_connections,
+            s3={"addressing_style": addressing_style},
+        )
+        session = boto3.session.Session(
+            aws_access_key_id=access_key_id,
+            aws_secret_access_key=secret_access_key,
+            aws_session_token=session_token,
+            region_name=region,
+        )
+        #: The boto3 client (thread-safe).  Exposed for tools and tests (e.g. to list multipart uploads).
+        self.client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
+
+    def __repr__(self) -> str:
+        return f"S3Repository(endpoint={self.endpoint_url!r}, bucket={self.bucket!r}, prefix={self.prefix!r})"
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _where(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{key or self.prefix}" + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+
+    def _call(self, what: str, fn: Callable[..., T], **kw: Any) -> T:
+        """Call the client, turning botocore errors into repository errors (retries already happened)."""
+        try:
+            return fn(Bucket=self.bucket, **kw)
+        except botocore.exceptions.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in _NOT_FOUND or code == "InvalidRange":  # the caller decides what these mean
+                raise
+            if code in ("NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                raise RepositoryUnavailable(f"{what} in {self._where(kw.get('Key', ''))}: {code}: {e}") from e
+            raise RepositoryError(f"{what} in {self._where(kw.get('Key', ''))} failed: {e}") from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise RepositoryUnavailable(f"{what}: cannot reach {self._where()}: {e}") from e
+
+    @staticmethod
+    def _is_not_found(e: botocore.exceptions.ClientError) -> bool:
+        return str(e.response.get("Error", {}).get("Code", "")) in _NOT_FOUND
+
+    def _layer_key(self, digest: str) -> str:
+        return self.prefix + layer_key(digest)
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        try:
+            return self._call("head", self.client.head_object, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if self._is_not_found(e):
+                return None
+            raise
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (development set-ups; production buckets are provisioned)."""
+        try:
+            self._call("head bucket", self.client.head_bucket)
+            return
+        except (botocore.exceptions.ClientError, RepositoryUnavailable):
+            pass
+        kw: dict[str, Any] = {}
+        if self.region != "us-east-1":
+            kw["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        self._call("create bucket", self.client.create_bucket, **kw)
+
+    # -- layers -------------------------------------------------------------------------------------------
+    def put_layer(self, digest: str, path: str | os.PathLike[str]) -> str:
+        check_digest(digest)
+        key = self._layer_key(digest)
+        if self._head(key) is not None:
+            return layer_key(digest)
+        h = hashlib.sha256()
+        chunks = iter_file(path, READ_CHUNK)
+        head = bytearray()
+        exhausted = True
+        for b in chunks:
+            h.update(b)
+            head += b
+            if len(head) > self.multipart_threshold:
+                exhausted = False
+                break
+        source = os.fspath(path)
+        if exhausted:
+            verify_digest(digest, h, source)
+            self._call("put layer", self.client.put_object, Key=key, Body=bytes(head))
+        else:
+            self._multipart(key, digest, source, head, chunks, h)
+        return layer_key(digest)
+
+    def _multipart(self, key: str, digest: str, source: str, head: bytearray, rest, h) -> None:  # type: ignore[no-untyped-def]
+        upload_id = self._call("start multipart upload", self.client.create_multipart_upload, Key=key)["UploadId"]
+        try:
+            parts: dict[int, str] = {}
+
+            def send(number: int, data: bytes) -> None:
+                r = self._call(
+                    "upload part", self.client.upload_part, Key=key, UploadId=upload_id, PartNumber=number, Body=data
+                )
+                parts[number] = r["ETag"]
+
+            def blocks():  # type: ignore[no-untyped-def]
+                buf = head
+                for b in rest:
+                    h.update(b)
+                    buf += b
+                    while len(buf) >= self.part_size:
+                        yield bytes(buf[: self.part_size])
+                        del buf[: self.part_size]
+                if buf:
+                    yield bytes(buf)
+
+            # The pool is owned and joined here: at most `upload_concurrency` parts in flight (bounded memory).
+            with concurrent.futures.ThreadPoolExecutor(self.upload_concurrency, thread_name_prefix="s3-part") as pool:
+                pending: set[concurrent.futures.Future[None]] = set()
+                try:
+                    for number, data in enumerate(blocks(), start=1):
+                        if len(pending) >= self.upload_concurrency:
+                            done, pending = concurrent.futures.wait(
+                                pending, return_when=concurrent.futures.FIRST_COMPLETED
+                            )
+                            for f in done:
+                                f.result()
+                        pending.add(pool.submit(send, number, data))
+                    for f in concurrent.futures.as_completed(pending):
+                        f.result()
+                finally:
+                    for f in pending:
+                        f.cancel()
+            verify_digest(digest, h, source)
+            self._call(
+                "complete multipart upload",
+                self.client.complete_multipart_upload,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]},
+            )
+        except BaseException:
+            try:
+                self._call("abort multipart upload", self.client.abort_multipart_upload, Key=key, UploadId=upload_id)
+            except Exception:  # the original error matters more; sweep_incomplete() removes it later
+                pass
+            raise
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range offset={offset} length={length}")
+        key = self._layer_key(digest)
+        if length == 0:
+            if self._head(key) is None:
+                raise LayerNotFound(digest, self._where(key))
+            return b""
+        try:
+            r = self._call("read", self.client.get_object, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+        except botocore.exceptions.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code == "InvalidRange":  # offset at/after the end
+                if self._head(key) is None:
+                    raise LayerNotFound(digest, self._where(key)) from None
+                return b""
+            if self._is_not_found(e):
+                raise LayerNotFound(digest, self._where(key)) from None
+            raise
+        try:
+            data = r["Body"].read()
+        except botocore.exceptions.BotoCoreError as e:
+            raise RepositoryUnavailable(f"reading {self._where(key)}: {e}") from e
+        finally:
+            r["Body"].close()
+        return data[:length]
+
+    def layer_size(self, digest: str) -> int:
+        key = self._layer_key(digest)
+        head = self._head(key)
+        if head is None:
+            raise LayerNotFound(digest, self._where(key))
+        return int(head["ContentLength"])
+
+    def has_layer(self, digest: str) -> bool:
+        return self._head(self._layer_key(digest)) is not None
+
+    def delete_layer(self, digest: str) -> None:
+        self._call("delete layer", self.client.delete_object, Key=self._layer_key(digest))
+
+    def _list(self, sub: str) -> list[str]:
+        pfx = self.prefix + sub
+        out: list[str] = []
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=pfx)
+        try:
+            for page in pages:
+                out.extend(o["Key"][len(pfx) :] for o in page.get("Contents", ()))
+        except botocore.exceptions.BotoCoreError as e:
+            raise RepositoryUnavailable(f"listing {self._where(pfx)}: {e}") from e
+        except botocore.exceptions.ClientError as e:
+            raise RepositoryError(f"listing {self._where(pfx)}: {e}") from e
+        return out
+
+    def list_layers(self) -> list[str]:
+        out = []
+        for rel in self._list("layers/sha256/"):
+            name = rel.rsplit("/", 1)[-1]
+            if len(name) == 64:
+                out.append("sha256:" + name)
+        return sorted(out)
+
+    # -- manifests ----------------------------------------------------------------------------------------
+    def _put_manifest_bytes(self, manifest_id: str, data: bytes) -> None:
+        self._call(
+            "put manifest",
+            self.client.put_object,
+            Key=self.prefix + manifest_key(manifest_id),
+            Body=data,
+            ContentType="application/json",
+        )
+
+    def _get_manifest_bytes(self, manifest_id: str) -> bytes:
+        key = self.prefix + manifest_key(manifest_id)
+        try:
+            r = self._call("get manifest", self.client.get_object, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if self._is_not_found(e):
+                raise ManifestNotFound(manifest_id, self._where(key)) from None
+            raise
+        with r["Body"] as body:
+            return body.read()
+
+    def has_manifest(self, manifest_id: str) -> bool:
+        return self._head(self.prefix + manifest_key(manifest_id)) is not None
+
+    def list_manifests(self) -> list[str]:
+        return sorted(r[: -len(".json")] for r in self._list("manifests/") if r.endswith(".json") and "/" not in r)
+
+    def delete_manifest(self, manifest_id: str) -> None:
+        self._call("delete manifest", self.client.delete_object, Key=self.prefix + manifest_key(manifest_id))
+
+    # -- housekeeping -------------------------------------------------------------------------------------
+    def pending_uploads(self) -> list[dict[str, Any]]:
+        """Multipart uploads started under this prefix and neither completed nor aborted."""
+        out: list[dict[str, Any]] = []
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix)
+        try:
+            for page in pages:
+                out.extend(page.get("Uploads", ()))
+        except botocore.exceptions.BotoCoreError as e:
+            raise RepositoryUnavailable(f"listing uploads in {self._where()}: {e}") from e
+        return out
+
+    def sweep_incomplete(self, older_than_s: float = 3600.0) -> int:
+        cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than_s)
+        removed = 0
+        for u in self.pending_uploads():
+            initiated = u.get("Initiated")
+            if initiated is not None and initiated > cutoff:
+                continue
+            try:
+                self._call("abort upload", self.client.abort_multipart_upload, Key=u["Key"], UploadId=u["UploadId"])
+                removed += 1
+            except botocore.exceptions.ClientError as e:
+                if not self._is_not_found(e):
+                    raise
+        return removed
+
+    def close(self) -> None:
+        self.client.close()
