@@ -1,0 +1,534 @@
+"""Sandbox traffic: an ASGI middleware that proxies requests into sandboxes.
+
+The E2B SDK talks to envd through the same address as the control plane: with
+``E2B_SANDBOX_URL`` pointing at the node it sends every envd request there with
+``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers; browsers and other clients
+use a ``{port}-{sandboxID}.{domain}`` Host. ``SandboxProxy`` wraps the Quart
+app, recognises such requests and forwards them to that port of that sandbox;
+anything else reaches the app untouched.
+
+Why at the ASGI level and not as Quart routes: a proxy needs true streaming in
+both directions (Connect server streams that run for minutes, chunked uploads
+without Content-Length, 16 MiB downloads) and prompt notice of a client that
+went away. Quart buffers request bodies and owns the response lifecycle; raw
+ASGI gives exact control of ``receive``/``send`` and Hypercorn's backpressure.
+
+Why httpcore and not ``httpx.AsyncClient``: a proxy must not apply client
+policy (cookie jar shared across sandboxes, redirects, decompression, default
+headers). httpcore is httpx's own HTTP/1.1 engine without that layer: connection
+pools, raw bytes both ways, cancellation-safe closing under Trio.
+
+Connection pools are per sandbox, and ``disconnect(sandbox_id)`` (called by
+the sandbox manager on kill, pause or slot release) cancels that sandbox's
+exchanges and closes its pool: network slots are reused by other sandboxes,
+so a connection must never outlive the sandbox it was opened to, and a stream
+to a vanished guest would otherwise wait forever (reads have no timeout).
+Keep-alive to guests is off by default, as in E2B's orchestrator proxy (guest
+servers restart; a connect over a local tap is cheap); ``keepalive=True``
+pools connections per sandbox (bench/proxy_overhead.py measures both).
+
+WebSockets are relayed message by message in ``proxy_ws``.
+
+Errors follow E2B's client-proxy wording because the SDK maps a 502 by its
+message (e2b/exceptions.py): "... was not found" means the sandbox is not
+running, "... port is not open" that it runs but nothing listens.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import httpcore
+import trio
+
+from ..state.errors import NotFound
+
+__all__ = [
+    "ENVD_PORT",
+    "TRAFFIC_TOKEN_HEADER",
+    "Resolution",
+    "Resolver",
+    "SandboxNotRunning",
+    "SandboxProxy",
+]
+
+log = logging.getLogger(__name__)
+
+ENVD_PORT = 49983
+TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class SandboxNotRunning(Exception):
+    """Raised by a resolver: the sandbox is unknown, killed, or paused without autoResume.
+
+    The state layer's ``NotFound`` (an unknown sandbox id) is treated the same.
+    """
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Where the traffic of one running sandbox goes, and what it requires."""
+
+    host: str                                   # address the node connects to (the slot address)
+    port_map: Callable[[int], int] | None = None  # guest port -> port to dial; None = identity
+    access_token: str | None = None          # envd's token; envd enforces it, the proxy forwards it
+    traffic_token: str | None = None         # required for non-envd ports when set
+    # Tries for a refused connection, 100 ms, 200 ms... apart: >1 just after a
+    # resume, while the guest's network comes back (E2B retries then too).
+    connect_attempts: int = 1
+
+    def upstream_port(self, port: int) -> int:
+        return self.port_map(port) if self.port_map is not None else port
+
+
+async def connect_backoff(attempt: int) -> None:
+    """Pause before retry number ``attempt`` (1-based) of a refused connection."""
+    await trio.sleep(0.1 * attempt)
+
+
+Resolver = Callable[[str, int], Awaitable[Resolution]]
+
+# Headers that describe one hop, never forwarded (RFC 9110 7.6.1), plus
+# `expect` (Hypercorn answers 100-continue itself) and framing, which is redone.
+_HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+    b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade", b"expect",
+})
+# Header routing accepts dashes; Host routing cannot (`{port}-{id}[-client]`).
+_SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HOST_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+
+
+class ProxyReject(Exception):
+    """A request that is sandbox traffic but cannot be forwarded: answered as E2B JSON."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_body(status: int, message: str) -> bytes:
+    return json.dumps({"code": status, "message": message}).encode()
+
+
+def not_found_message(sandbox_id: str) -> str:
+    return f"The sandbox {sandbox_id} was not found"
+
+
+PORT_NOT_OPEN_MESSAGE = "The sandbox is running but port is not open"
+
+
+def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v.decode("latin-1").strip()
+    return None
+
+
+def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    tokens: set[bytes] = set()
+    for k, v in headers:
+        if k.lower() == b"connection":
+            tokens.update(t.strip().lower() for t in v.split(b",") if t.strip())
+    return tokens
+
+
+def forwardable(headers: Iterable[tuple[bytes, bytes]], *, drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """Headers minus hop-by-hop ones (and those the Connection header names)."""
+    headers = list(headers)
+    named = _connection_tokens(headers)
+    return [(k, v) for k, v in headers
+            if (lk := k.lower()) not in _HOP_BY_HOP and lk not in named and lk not in drop]
+
+
+@dataclass(frozen=True)
+class Target:
+    sandbox_id: str
+    port: int
+
+
+def _parse_port(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
+        raise ProxyReject(400, f"invalid sandbox port {text!r}: expected a number from 1 to 65535")
+    return int(text)
+
+
+def route(headers: Iterable[tuple[bytes, bytes]], domain: str) -> Target | None:
+    """Decide whether a request is sandbox traffic, and for which sandbox port.
+
+    Headers win (what the SDKs send); then, when a domain is configured, a Host
+    of the form ``{port}-{sandboxID}[-anything].{domain}``. Raises ProxyReject
+    for malformed sandbox traffic; returns None for everything else.
+    """
+    headers = list(headers)
+    sandbox_id = _header(headers, b"e2b-sandbox-id")
+    port_text = _header(headers, b"e2b-sandbox-port")
+    if sandbox_id or port_text:
+        if not sandbox_id:
+            raise ProxyReject(400, "missing header E2b-Sandbox-Id (E2b-Sandbox-Port was given)")
+        if not port_text:
+            raise ProxyReject(400, "missing header E2b-Sandbox-Port (E2b-Sandbox-Id was given)")
+        if not _SANDBOX_ID_RE.match(sandbox_id):
+            raise ProxyReject(400, f"invalid sandbox id {sandbox_id!r}")
+        return Target(sandbox_id, _parse_port(port_text))
+    if not domain:
+        return None
+    host = _header(headers, b"host")
+    if not host:
+        return None
+    hostname = host.lower()
+    if hostname.startswith("["):  # IPv6 literal: never a sandbox host
+        return None
+    hostname = hostname.rsplit(":", 1)[0] if ":" in hostname else hostname
+    hostname = hostname.rstrip(".")
+    suffix = "." + domain.lower().strip(".")
+    if not hostname.endswith(suffix):
+        return None
+    label = hostname[: -len(suffix)]
+    if "." in label:  # only the left-most label names a sandbox port
+        return None
+    parts = label.split("-")
+    if len(parts) < 2 or not (parts[0].isascii() and parts[0].isdigit()) or not _HOST_ID_RE.match(parts[1]):
+        return None
+    return Target(parts[1], _parse_port(parts[0]))
+
+
+def check_traffic_token(resolution: Resolution, target: Target, headers: Iterable[tuple[bytes, bytes]]) -> None:
+    """E2B's rule: envd checks its own token; other ports of a secured sandbox need the traffic token."""
+    if resolution.traffic_token is None or target.port == ENVD_PORT:
+        return
+    given = _header(headers, TRAFFIC_TOKEN_HEADER.encode())
+    if not given:
+        raise ProxyReject(403, "Sandbox is secured with traffic access token. "
+                               f"Token header '{TRAFFIC_TOKEN_HEADER}' is missing")
+    if not hmac.compare_digest(given.encode(), resolution.traffic_token.encode()):
+        raise ProxyReject(403, "Sandbox is secured with traffic access token. "
+                               f"Provided token in header '{TRAFFIC_TOKEN_HEADER}' is invalid")
+
+
+async def resolve(resolver: Resolver, target: Target) -> Resolution:
+    """Await the resolver (which may resume a paused sandbox) and map its errors."""
+    try:
+        return await resolver(target.sandbox_id, target.port)
+    except (SandboxNotRunning, NotFound) as exc:
+        log.debug("sandbox %s not running: %s", target.sandbox_id, exc)
+        raise ProxyReject(502, not_found_message(target.sandbox_id)) from exc
+    except ProxyReject:
+        raise
+    except Exception as exc:
+        status = getattr(exc, "http_status", None)
+        if isinstance(status, int):
+            raise ProxyReject(status, str(exc)) from exc
+        log.exception("resolving sandbox %s failed", target.sandbox_id)
+        raise ProxyReject(500, f"failed to route the request to sandbox {target.sandbox_id}: "
+                               "see the node's log") from exc
+
+
+class _ReceivedBody:
+    """The request body as an async iterator fed by the receive pump (no buffering)."""
+
+    def __init__(self, channel: trio.MemoryReceiveChannel[bytes]) -> None:
+        self._channel = channel
+
+    def __aiter__(self) -> _ReceivedBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._channel.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+
+@dataclass(eq=False)
+class _SandboxTraffic:
+    """What the proxy holds for one sandbox: its connection pool and in-flight exchanges."""
+
+    pool: httpcore.AsyncConnectionPool
+    scopes: set[trio.CancelScope] = field(default_factory=set)
+
+
+class SandboxProxy:
+    """ASGI middleware: sandbox traffic is proxied, everything else goes to ``app``.
+
+    ``resolver(sandbox_id, port)`` returns a Resolution or raises
+    SandboxNotRunning; it resumes a paused autoResume sandbox before returning.
+    Use as an async context manager (or call ``aclose``) to close the
+    connection pool when the server stops.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        resolver: Resolver,
+        domain: str = "",
+        *,
+        connect_timeout: float = 5.0,
+        keepalive: bool = False,
+        keepalive_expiry: float = 30.0,
+        websocket_max_message: int = 16 * 1024 * 1024,
+    ) -> None:
+        self.app = app
+        self.resolver = resolver
+        self.domain = domain.strip(".").lower()
+        self.connect_timeout = connect_timeout
+        self.websocket_max_message = websocket_max_message
+        self.keepalive = keepalive
+        self.keepalive_expiry = keepalive_expiry
+        self._sandboxes: dict[str, _SandboxTraffic] = {}
+        self._closing: set[_SandboxTraffic] = set()
+
+    async def disconnect(self, sandbox_id: str) -> int:
+        """Cut every proxied request and WebSocket of a sandbox; returns how many.
+
+        The sandbox manager calls this when a sandbox is killed or paused or its
+        network slot is released: without it a stream to a vanished guest would
+        wait forever (reads have no timeout, on purpose), and pooled keep-alive
+        connections could reach whichever sandbox gets the slot next. A request
+        cut before its response started is answered 502 "... was not found"; a
+        started response is broken off; a WebSocket is closed with 1001.
+        """
+        traffic = self._sandboxes.pop(sandbox_id, None)
+        if traffic is None:
+            return 0
+        count = len(traffic.scopes)
+        for scope in traffic.scopes:
+            scope.cancel()
+        if traffic.scopes:
+            self._closing.add(traffic)  # the last request to leave closes the pool
+        else:
+            await traffic.pool.aclose()
+        return count
+
+    def active(self, sandbox_id: str) -> int:
+        """Proxied requests and WebSockets of a sandbox in flight now."""
+        traffic = self._sandboxes.get(sandbox_id)
+        return len(traffic.scopes) if traffic is not None else 0
+
+    def tracked(self) -> int:
+        """Sandboxes with traffic state held (in-flight requests or pooled connections)."""
+        return len(self._sandboxes)
+
+    @asynccontextmanager
+    async def _session(self, sandbox_id: str) -> AsyncIterator[tuple[trio.CancelScope, httpcore.AsyncConnectionPool]]:
+        """One proxied exchange: cancellable by ``disconnect``, with the sandbox's own pool.
+
+        Pools are per sandbox so that a connection never outlives the sandbox
+        it was opened to (slots are reused); without keep-alive a sandbox's
+        entry goes away with its last request.
+        """
+        traffic = self._sandboxes.get(sandbox_id)
+        if traffic is None:
+            traffic = self._sandboxes[sandbox_id] = _SandboxTraffic(httpcore.AsyncConnectionPool(
+                max_connections=None,
+                max_keepalive_connections=64 if self.keepalive else 0,
+                keepalive_expiry=self.keepalive_expiry,
+                retries=0,
+            ))
+        scope = trio.CancelScope()
+        traffic.scopes.add(scope)
+        try:
+            with scope:
+                yield scope, traffic.pool
+        finally:
+            traffic.scopes.discard(scope)
+            if not traffic.scopes:
+                if traffic in self._closing:
+                    self._closing.discard(traffic)
+                    with trio.CancelScope(shield=True):
+                        await traffic.pool.aclose()
+                elif not self.keepalive and self._sandboxes.get(sandbox_id) is traffic:
+                    del self._sandboxes[sandbox_id]
+                    with trio.CancelScope(shield=True):
+                        await traffic.pool.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every pooled connection (call once the server stopped)."""
+        with trio.CancelScope(shield=True):
+            for traffic in [*self._sandboxes.values(), *self._closing]:
+                await traffic.pool.aclose()
+        self._sandboxes.clear()
+        self._closing.clear()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        try:
+            target = route(scope["headers"], self.domain)
+        except ProxyReject as exc:
+            await self._reject(kind, send, exc)
+            return
+        if target is None:
+            await self.app(scope, receive, send)
+            return
+        if kind == "http":
+            await self._proxy_http(scope, receive, send, target)
+        else:
+            from .proxy_ws import proxy_websocket
+
+            await proxy_websocket(self, scope, receive, send, target)
+
+    async def _reject(self, kind: str, send: Send, exc: ProxyReject) -> None:
+        body = error_body(exc.status, exc.message)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        prefix = "http" if kind == "http" else "websocket.http"
+        await send({"type": f"{prefix}.response.start", "status": exc.status, "headers": headers})
+        await send({"type": f"{prefix}.response.body", "body": body, "more_body": False})
+
+    # ----- HTTP ---------------------------------------------------------------
+
+    async def _proxy_http(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        try:
+            resolution = await resolve(self.resolver, target)
+            check_traffic_token(resolution, target, headers)
+        except ProxyReject as exc:
+            await self._reject("http", send, exc)
+            return
+
+        body_send, body_recv = trio.open_memory_channel[bytes](0)
+        has_body = _header(headers, b"content-length") not in (None, "0") or \
+            _header(headers, b"transfer-encoding") is not None
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        async with self._session(target.sandbox_id) as (session, pool):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump_request, receive, body_send, has_body, nursery.cancel_scope)
+                try:
+                    await self._forward(scope, send_tracked, target, resolution, pool,
+                                        body_recv if has_body else None)
+                finally:
+                    # Response done (or failed): stop feeding the upstream; the pump
+                    # ends with the nursery (Hypercorn closes a connection whose
+                    # request was not fully read).
+                    body_recv.close()
+                    nursery.cancel_scope.cancel()
+        if session.cancelled_caught and not started:
+            await self._reject("http", send, ProxyReject(502, not_found_message(target.sandbox_id)))
+
+    async def _pump_request(self, receive: Receive, body_send: trio.MemorySendChannel[bytes],
+                            has_body: bool, cancel_scope: trio.CancelScope) -> None:
+        """Move request body chunks to the upstream; cancel everything on client disconnect."""
+        async with body_send:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    log.debug("client went away: cancelling the upstream request")
+                    cancel_scope.cancel()
+                    return
+                if message["type"] != "http.request":
+                    continue
+                chunk = message.get("body", b"")
+                if chunk and has_body:
+                    try:
+                        await body_send.send(chunk)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        has_body = False  # upstream stopped reading (it answered early): drain
+                if not message.get("more_body", False):
+                    break
+        # The request is complete; keep listening only for the disconnect.
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                cancel_scope.cancel()
+                return
+
+    async def _forward(self, scope: Scope, send: Send, target: Target, resolution: Resolution,
+                       pool: httpcore.AsyncConnectionPool,
+                       body: trio.MemoryReceiveChannel[bytes] | None) -> None:
+        in_headers: list[tuple[bytes, bytes]] = scope["headers"]
+        out_headers = forwardable(in_headers, drop=frozenset({b"content-length", b"host"}))
+        host = _header(in_headers, b"host")
+        port = resolution.upstream_port(target.port)
+        out_headers.insert(0, (b"host", (host or f"{resolution.host}:{port}").encode("latin-1")))
+        content: Any = None
+        if body is not None:
+            length = _header(in_headers, b"content-length")
+            if length is not None:
+                out_headers.append((b"content-length", length.encode()))
+            else:
+                out_headers.append((b"transfer-encoding", b"chunked"))
+            content = _ReceivedBody(body)
+        elif scope["method"] in ("POST", "PUT", "PATCH"):
+            out_headers.append((b"content-length", b"0"))
+        path = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            path += b"?" + scope["query_string"]
+        request = httpcore.Request(
+            scope["method"],
+            httpcore.URL(scheme=b"http", host=resolution.host.encode(), port=port, target=path),
+            headers=out_headers,
+            content=content,
+            extensions={"timeout": {"connect": self.connect_timeout, "read": None,
+                                    "write": None, "pool": None}},
+        )
+        attempt = 1
+        while True:
+            try:
+                response = await pool.handle_async_request(request)
+                break
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                # Nothing was sent yet (the body is untouched): a retry is safe.
+                if isinstance(exc, httpcore.ConnectError) and attempt < resolution.connect_attempts:
+                    await connect_backoff(attempt)
+                    attempt += 1
+                    continue
+                log.debug("sandbox %s port %d: %r", target.sandbox_id, target.port, exc)
+                await self._reject("http", send, ProxyReject(502, PORT_NOT_OPEN_MESSAGE))
+                return
+            except (httpcore.ProtocolError, httpcore.NetworkError, httpcore.TimeoutException) as exc:
+                log.info("sandbox %s port %d failed before answering: %r", target.sandbox_id, target.port, exc)
+                await self._reject("http", send, ProxyReject(
+                    502, f"The sandbox {target.sandbox_id} closed the connection on port {target.port} "
+                         "before answering"))
+                return
+        if body is not None:
+            body.close()
+        try:
+            await send({
+                "type": "http.response.start",
+                "status": response.status,
+                # lower-case names: HTTP/2 clients (h2c) require them
+                "headers": [(k.lower(), v) for k, v in forwardable(response.headers, drop=frozenset({b"date"}))],
+            })
+            async for chunk in response.aiter_stream():
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (httpcore.ProtocolError, httpcore.NetworkError) as exc:
+            # Status already sent: all that is left is to end without completing
+            # the response, so Hypercorn cuts the client's connection and the
+            # client sees a truncated body, not a complete one.
+            log.info("sandbox %s port %d broke off its response: %r", target.sandbox_id, target.port, exc)
+            return
+        finally:
+            # Before completing the client's response: the upstream connection
+            # must be back in the pool when the client's next request arrives.
+            await response.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
