@@ -1,0 +1,167 @@
+"""The ``base`` template root filesystem: Debian bookworm (debootstrap minbase) in an ext4 image.
+
+It is what a sandbox boots when no image is given, and the shape every template rootfs shares: a user
+``user`` (uid 1000, home ``/home/user``, bash, passwordless sudo, as E2B sandboxes have) and an empty
+``/opt/aenv`` where the initramfs mounts the tools drive. No init system is installed: the kit's minimal init
+(``aenv.init=minimal``) runs as PID 1 from the tools drive.
+
+The image is cached as ``<state-dir>/rootfs/base-<hash>.ext4`` where the hash covers the :class:`RootfsSpec`
+and this module's code; it is built in a temporary directory and renamed into place when complete. A VM must
+never write to it: boot it through a copy-on-write overlay (qcow2 overlay, or a writable upper layer).
+Package versions are whatever the mirror serves at build time (they are not part of the hash: change the spec,
+e.g. ``revision``, to force a rebuild after a Debian point release).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import cache
+from .errors import RootfsBuildError, ToolMissingError
+
+__all__ = ["RootfsSpec", "ensure_base_rootfs", "ensure_rootfs", "rootfs_hash"]
+
+Progress = Callable[[str], None]
+
+_PER_PACKAGE = re.compile(r"^I: (Retrieving|Validating|Extracting|Unpacking|Configuring) (?!the |Release|InRelease|Packages)\S")
+
+
+@dataclass(frozen=True)
+class RootfsSpec:
+    """Inputs of a Debian template rootfs; all of them are hashed."""
+
+    name: str = "base"
+    suite: str = "bookworm"
+    mirror: str = "http://deb.debian.org/debian"
+    variant: str = "minbase"
+    include: tuple[str, ...] = ("bash", "coreutils", "procps", "iproute2", "ca-certificates", "sudo")
+    user: str = "user"
+    uid: int = 1000
+    hostname: str = "sandbox"
+    nameserver: str = "8.8.8.8"
+    size_mib: int = 2048
+    revision: int = 1  # bump to force a rebuild (e.g. to pick up a Debian point release)
+
+
+def rootfs_hash(spec: RootfsSpec) -> str:
+    h = cache.InputHasher("aenv-rootfs")
+    h.add_text("spec", json.dumps(dataclasses.asdict(spec), sort_keys=True))
+    h.add_text("code/rootfs.py", inspect.getsource(inspect.getmodule(rootfs_hash)))  # type: ignore[arg-type]
+    h.add_text("code/cache.py", inspect.getsource(cache))
+    return h.hexdigest()
+
+
+def ensure_base_rootfs(state_dir: Path, *, progress: Progress | None = None) -> Path:
+    """Path of the cached ``base`` rootfs image, built first if missing (about a minute). Blocking."""
+    return ensure_rootfs(state_dir, RootfsSpec(), progress=progress)
+
+
+def ensure_rootfs(state_dir: Path, spec: RootfsSpec, *, progress: Progress | None = None) -> Path:
+    say = progress or (lambda _msg: None)
+    rootfs_dir = Path(state_dir) / "rootfs"
+    digest = rootfs_hash(spec)
+    final = rootfs_dir / f"{spec.name}-{digest}.ext4"
+    if final.is_file():
+        return final
+    for tool in ("debootstrap", "mkfs.ext4", "chroot"):
+        if shutil.which(tool) is None:
+            raise ToolMissingError(f"{tool} is not installed (Debian packages debootstrap, e2fsprogs, coreutils)")
+    with cache.build_lock(rootfs_dir):
+        if final.is_file():
+            return final
+        for stale in cache.remove_stale(rootfs_dir):
+            say(f"removed leftover of an interrupted build: {stale.name}")
+        with cache.staging_dir(rootfs_dir, f"{spec.name}-{digest}") as tmp:
+            t0 = time.monotonic()
+            root = tmp / "root"
+            _debootstrap(spec, root, tmp, say)
+            say("configuring users, sudo, hostname")
+            _configure(spec, root)
+            say(f"mkfs.ext4 ({spec.size_mib} MiB sparse)")
+            image = tmp / "image.ext4"
+            _mkfs(root, image, spec.size_mib)
+            used = sum(b.stat().st_blocks for b in [image]) * 512
+            say(f"rootfs {spec.name} built in {time.monotonic() - t0:.1f} s ({used >> 20} MiB allocated)")
+            cache.publish(image, final)
+    return final
+
+
+def _run(cmd: list[str], what: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RootfsBuildError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    return proc.stdout
+
+
+def _debootstrap(spec: RootfsSpec, root: Path, tmp: Path, say: Progress) -> None:
+    cmd = ["debootstrap", f"--variant={spec.variant}", f"--include={','.join(spec.include)}",
+           spec.suite, str(root), spec.mirror]  # fmt: skip
+    say("$ " + " ".join(cmd))
+    log = tmp / "debootstrap.out"
+    counts: dict[str, int] = {}
+    last_report = 0.0
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            text = line.strip()
+            # Per-package lines ("I: Retrieving foo 1.2") are summarised as counts at most every 2 s; phase
+            # lines, warnings and errors are shown as they come.
+            per_package = _PER_PACKAGE.match(text)
+            if per_package:
+                verb = per_package.group(1)
+                counts[verb] = counts.get(verb, 0) + 1
+                if time.monotonic() - last_report >= 2:
+                    last_report = time.monotonic()
+                    say(f"debootstrap: {verb.lower()} packages: {counts[verb]}")
+            elif text:
+                say("debootstrap: " + text)
+        proc.wait()
+    log.write_text("".join(lines))
+    if proc.returncode != 0:
+        tail = "".join(lines[-20:])
+        extra = ""
+        if (root / "debootstrap" / "debootstrap.log").exists():
+            extra = (root / "debootstrap" / "debootstrap.log").read_text()[-1500:]
+        raise RootfsBuildError(f"debootstrap failed ({proc.returncode}):\n{tail}\n{extra}")
+
+
+def _configure(spec: RootfsSpec, root: Path) -> None:
+    _run(["chroot", str(root), "useradd", "--create-home", "--uid", str(spec.uid), "--shell", "/bin/bash",
+          "--groups", "sudo", spec.user], "useradd")  # fmt: skip
+    _run(["chroot", str(root), "passwd", "--delete", spec.user], "passwd")
+    sudoers = root / "etc" / "sudoers.d" / spec.user
+    sudoers.write_text(f"{spec.user} ALL=(ALL:ALL) NOPASSWD: ALL\n")
+    sudoers.chmod(0o440)
+    (root / "etc" / "hostname").write_text(spec.hostname + "\n")
+    (root / "etc" / "hosts").write_text(
+        f"127.0.0.1\tlocalhost\n127.0.1.1\t{spec.hostname}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+    )
+    resolv = root / "etc" / "resolv.conf"
+    resolv.unlink(missing_ok=True)
+    resolv.write_text(f"nameserver {spec.nameserver}\n")
+    (root / "etc" / "machine-id").write_text("")
+    (root / "opt" / "aenv").mkdir(parents=True, exist_ok=True)
+    # Debootstrap's download cache and package lists are dead weight in every sandbox.
+    for pattern in ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*_Packages",
+                    "var/lib/apt/lists/*_Release*", "var/log/*.log"):  # fmt: skip
+        for path in root.glob(pattern):
+            if path.is_file():
+                path.unlink()
+    shutil.rmtree(root / "debootstrap", ignore_errors=True)
+
+
+def _mkfs(root: Path, image: Path, size_mib: int) -> None:
+    with image.open("wb") as f:
+        f.truncate(size_mib << 20)
+    _run(["mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-b", "4096", "-d", str(root), str(image)], "mkfs.ext4")
