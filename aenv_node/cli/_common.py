@@ -68,3 +68,4 @@ def setup_logging(level: str) -> None:
     )
     logging.getLogger("hypercorn.access").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)

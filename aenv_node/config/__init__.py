@@ -84,7 +84,7 @@ class VmmSection:
     firecracker_binary: str = "/opt/aenv/bin/firecracker"
     jailer_binary: str = "/opt/aenv/bin/jailer"
     use_jailer: bool = False
-    tcg_tb_size_mb: int = 16
+    tcg_tb_size_mb: int = 64
     guest_kernel: str = ""
 
 
@@ -110,6 +110,11 @@ class StorageSection:
 
 
 @dataclass(frozen=True)
+class ImagesSection:
+    cache_dir: str = ""
+
+
+@dataclass(frozen=True)
 class SnapshotSection:
     periodic_interval_s: float = 0
     compact_after_layers: int = 8
@@ -132,6 +137,7 @@ class Config:
     net: NetSection = field(default_factory=NetSection)
     storage: StorageSection = field(default_factory=StorageSection)
     snapshot: SnapshotSection = field(default_factory=SnapshotSection)
+    images: ImagesSection = field(default_factory=ImagesSection)
 
     # Derived paths: one place decides the state directory's layout.
     @property
@@ -157,6 +163,30 @@ class Config:
     @property
     def sandboxes_dir(self) -> Path:
         return self.state_dir / "sandboxes"
+
+    @property
+    def images_cache_dir(self) -> Path:
+        """Where guest kits and template root filesystems are built and cached by content hash."""
+        return Path(self.images.cache_dir or self.state_dir)
+
+    @property
+    def layers_dir(self) -> Path:
+        """Local layer files (sealed uppers, imported rootfs) before and after commit."""
+        return self.state_dir / "layers"
+
+    @property
+    def templates_dir(self) -> Path:
+        """Snapshot files (vmstate, memory images) of templates and sandboxes."""
+        return self.state_dir / "snapshots"
+
+    @property
+    def run_dir(self) -> Path:
+        """Short-lived sockets (NBD, VMM API). Unix socket paths are limited to 107 bytes, so this
+        lives under /run, keyed by a hash of the state directory (several nodes per host)."""
+        import hashlib
+
+        tag = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
+        return Path("/run/aenv") / tag
 
     def as_toml_dict(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}

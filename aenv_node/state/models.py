@@ -271,7 +271,7 @@ class CacheEntry(Base):
 class NetworkSlot(Base):
     __tablename__ = "network_slots"
 
-    index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    slot_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     netns: Mapped[str] = mapped_column(String(64))
     host_ip: Mapped[str] = mapped_column(String(45))
     slot_ip: Mapped[str] = mapped_column(String(45))

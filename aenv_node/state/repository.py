@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .errors import IllegalTransition, NotFound
-from .models import Event, Sandbox, SandboxState, utcnow
+from .models import Event, NetworkSlot, Sandbox, SandboxState, utcnow
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
@@ -158,6 +158,22 @@ def update_sandbox(
     record_event(session, operation, sandbox_id=sandbox_id, from_state=sb.state,
                  to_state=sb.state, detail=detail)
     return sb
+
+
+def claim_slot(session: Session, slot_index: int, sandbox_id: str) -> None:
+    """Record that a sandbox holds a network slot (in the sandbox's transaction)."""
+    row = session.get(NetworkSlot, slot_index)
+    if row is not None:
+        row.state = "in_use"
+        row.sandbox_id = sandbox_id
+        row.updated_at = utcnow()
+
+
+def release_slot_of(session: Session, sandbox_id: str) -> None:
+    for row in session.scalars(select(NetworkSlot).where(NetworkSlot.sandbox_id == sandbox_id)):
+        row.state = "warm"
+        row.sandbox_id = None
+        row.updated_at = utcnow()
 
 
 def live_sandboxes(session: Session) -> list[Sandbox]:

@@ -62,14 +62,14 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('digest', name=op.f('pk_layers'))
     )
     op.create_table('network_slots',
-    sa.Column('index', sa.Integer(), autoincrement=False, nullable=False),
+    sa.Column('slot_index', sa.Integer(), autoincrement=False, nullable=False),
     sa.Column('netns', sa.String(length=64), nullable=False),
     sa.Column('host_ip', sa.String(length=45), nullable=False),
     sa.Column('slot_ip', sa.String(length=45), nullable=False),
     sa.Column('state', sa.String(length=16), nullable=False),
     sa.Column('sandbox_id', sa.String(length=64), nullable=True),
     sa.Column('updated_at', sa.String(length=24), nullable=False),
-    sa.PrimaryKeyConstraint('index', name=op.f('pk_network_slots'))
+    sa.PrimaryKeyConstraint('slot_index', name=op.f('pk_network_slots'))
     )
     with op.batch_alter_table('network_slots', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_network_slots_sandbox_id'), ['sandbox_id'], unique=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
+from . import lifecycle as _lifecycle
 from . import node as _node
 from . import sandboxes as _sandboxes
 from . import templates as _templates
@@ -16,6 +17,7 @@ HANDLERS: dict[str, Callable[..., Awaitable[Any]]] = {
     **_node.HANDLERS,
     **_sandboxes.HANDLERS,
     **_templates.HANDLERS,
+    **_lifecycle.HANDLERS,
 }
 
 __all__ = ["HANDLERS"]

@@ -138,14 +138,18 @@ async def get_sandbox(node: Node, sandboxID: str) -> Any:
 
 async def set_sandbox_timeout(node: Node, sandboxID: str) -> Any:
     body = await json_body({"timeout": field(int, required=True, minimum=0)})
-    timeout = body["timeout"]
+    await extend_timeout(node, sandboxID, body["timeout"])
+    return "", 204
+
+
+async def extend_timeout(node: Node, sandboxID: str, timeout: int) -> None:
+    """The sandbox now ends ``timeout`` seconds from now (E2B set_timeout semantics)."""
     if timeout > node.cfg.sandbox.max_timeout_s:
         raise ApiError(400, f"timeout {timeout}s exceeds this node's maximum of "
                             f"{node.cfg.sandbox.max_timeout_s}s")
     end_at = utcnow() + dt.timedelta(seconds=timeout)
     await node.db.run(lambda s: update_sandbox(s, sandboxID, operation="set_timeout",
                                                detail={"timeout_s": timeout}, end_at=end_at))
-    return "", 204
 
 
 HANDLERS = {

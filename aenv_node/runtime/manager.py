@@ -1,0 +1,390 @@
+"""The sandbox manager: a supervisor service owning every sandbox's nursery.
+
+It prepares the host (network isolation tables, orphan clean-up), reconciles
+the database with reality at start, keeps the warm slot pool filled, makes
+sure the default template exists (building it on first start), runs the TTL
+timer, and creates and kills sandboxes for the API. Each sandbox runs as a
+task in this service's nursery (``sandbox.run_sandbox``); cancelling the
+service (node shutdown) ends every sandbox through its shielded cleanup.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+import trio
+from sqlalchemy import delete, select
+
+from ..config import Config
+from ..net import (
+    EgressPolicy,
+    NetworkConfig,
+    SlotPool,
+    ensure_host_networking,
+    remove_orphans,
+    teardown_host_networking,
+)
+from ..snapshot.machine import MachineShape
+from ..snapshot.templates import TemplateSource, build_template
+from ..state import Database, NetworkSlot, Sandbox, SandboxState, Snapshot, SnapshotLayer, Template, utcnow
+from ..state import repository as repo
+from ..state.models import Layer
+from ..vmm import Accel, make_driver
+from .errors import RuntimeLayerError
+from .node import Node
+from .sandbox import SandboxHandle, SandboxSpec, run_sandbox
+
+__all__ = ["SandboxManager", "SandboxNotRunning", "TemplateNotFound", "CreateRequest"]
+
+log = logging.getLogger(__name__)
+
+#: States in which a sandbox holds a VMM process on this node.
+_LIVE_STATES = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSING,
+                SandboxState.RESUMING, SandboxState.SNAPSHOTTING, SandboxState.FORKING,
+                SandboxState.KILLING)
+
+
+def envd_version() -> str:
+    from ..guest import __envd_version__
+
+    return __envd_version__
+
+
+class TemplateNotFound(RuntimeLayerError):
+    http_status = 404
+
+
+class TemplateNotReady(RuntimeLayerError):
+    http_status = 503
+
+
+class SandboxNotRunning(RuntimeLayerError):
+    http_status = 404
+
+
+def node_tag(cfg: Config) -> str:
+    """A short tag (4 chars) naming this node's network objects, stable across restarts."""
+    digest = hashlib.sha256(f"{cfg.state_dir.resolve()}".encode()).digest()
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "".join(alphabet[b % 36] for b in digest[:4])
+
+
+class DbIndexAllocator:
+    """Slot indexes persisted in ``network_slots`` so a restarted node knows what it held."""
+
+    def __init__(self, db: Database, netcfg: NetworkConfig) -> None:
+        self.db = db
+        self.netcfg = netcfg
+
+    async def allocate(self) -> int:
+        def work(s) -> int:  # type: ignore[no-untyped-def]
+            used = set(s.scalars(select(NetworkSlot.slot_index)))
+            for i in range(self.netcfg.capacity):
+                if i not in used:
+                    sl = self.netcfg.slot(i)
+                    s.add(NetworkSlot(slot_index=i, netns=sl.netns, host_ip=sl.host_ip, slot_ip=sl.ns_ip,
+                                      state="warm"))
+                    return i
+            from ..net import PoolExhausted
+
+            raise PoolExhausted(f"all {self.netcfg.capacity} network slots are in use")
+
+        return await self.db.run(work)
+
+    async def free(self, index: int) -> None:
+        await self.db.run(lambda s: s.execute(delete(NetworkSlot).where(NetworkSlot.slot_index == index)))
+
+
+@dataclass
+class CreateRequest:
+    template: str
+    timeout_s: int
+    metadata: dict[str, str]
+    env_vars: dict[str, str]
+    auto_pause: bool = True
+    auto_resume: bool = False
+    secure: bool = True
+    allow_internet_access: bool = True
+    allow_out: Optional[list[str]] = None
+    deny_out: Optional[list[str]] = None
+
+
+class SandboxManager:
+    name = "sandboxes"
+
+    def __init__(self, node: Node, *, build_default_template: bool = True) -> None:
+        self.node = node
+        cfg = node.cfg
+        self.cfg = cfg
+        self.db = node.db
+        self.netcfg = NetworkConfig(node_tag=node_tag(cfg), pool_cidr=cfg.net.pool_cidr,
+                                    egress=cfg.net.egress)
+        self.live: dict[str, SandboxHandle] = {}
+        #: Called with a sandbox id after it stopped running (the API's proxy cuts its streams).
+        self.stopped_hooks: list[Callable[[str], Awaitable[Any]]] = []
+        self.build_default_template = build_default_template
+        self.pool: SlotPool | None = None
+        self._nursery: trio.Nursery | None = None
+        self._template_events: dict[str, trio.Event] = {}
+        self._template_errors: dict[str, str] = {}
+        choice = make_driver(cfg.vmm.kind, accel_override=cfg.vmm.accel,
+                             qemu_binary=_which(cfg.vmm.qemu_binary),
+                             firecracker_binary=Path(cfg.vmm.firecracker_binary),
+                             tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb)
+        self.driver = choice.driver
+        self.accel = choice.accel
+        log.info("VMM %s with %s (%s)", choice.driver.name, choice.accel.value, choice.info.reason)
+
+    # -- service -------------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await ensure_host_networking(self.netcfg)
+        try:
+            await self._reconcile()
+            async with SlotPool(self.netcfg, DbIndexAllocator(self.db, self.netcfg),
+                                size=self.cfg.net.warm_slots) as pool:
+                self.pool = pool
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(pool.run)
+                    nursery.start_soon(self._ttl_loop)
+                    if self.build_default_template:
+                        nursery.start_soon(self._ensure_default_template)
+                    task_status.started()
+                    await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                self._nursery = None
+                await teardown_host_networking(self.netcfg)
+
+    async def _reconcile(self) -> None:
+        """Nothing orphaned, nothing reported running that is not (this node's previous run)."""
+        def work(s) -> list[tuple[str, Optional[int]]]:  # type: ignore[no-untyped-def]
+            rows = s.scalars(select(Sandbox).where(Sandbox.state.in_([x.value for x in _LIVE_STATES])))
+            found = []
+            for sb in rows:
+                found.append((sb.id, sb.vmm_pid))
+                current = SandboxState(sb.state)
+                if current != SandboxState.KILLING:
+                    repo.transition(s, sb.id, SandboxState.KILLING, operation="reconcile")
+                repo.transition(s, sb.id, SandboxState.KILLED, operation="reconcile",
+                                vmm_pid=None, slot_index=None,
+                                detail={"reason": "the node restarted; its VMM did not survive"})
+            s.execute(delete(NetworkSlot))
+            return found
+
+        found = await self.db.run(work)
+        for sid, pid in found:
+            if pid and _is_our_vmm(pid, sid):
+                log.warning("reconcile: killing leftover VMM %d of sandbox %s", pid, sid)
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        removed = await remove_orphans(self.netcfg)
+        if removed or found:
+            log.info("reconcile: %d sandboxes marked killed, %d orphan slots removed", len(found), len(removed))
+
+    async def _ttl_loop(self) -> None:
+        interval = self.cfg.sandbox.ttl_check_interval_s
+        while True:
+            await trio.sleep(interval)
+            now = utcnow()
+
+            def expired(s) -> list[str]:  # type: ignore[no-untyped-def]
+                return list(s.scalars(select(Sandbox.id).where(
+                    Sandbox.state == SandboxState.RUNNING.value, Sandbox.end_at <= now)))
+
+            for sid in await self.db.run(expired):
+                if sid in self.live:
+                    log.info("sandbox %s reached its end: killing", sid)
+                    self._nursery.start_soon(self._kill_quietly, sid, "timeout")  # type: ignore[union-attr]
+
+    async def _kill_quietly(self, sid: str, reason: str) -> None:
+        try:
+            await self.kill(sid, reason=reason)
+        except Exception as exc:  # the sandbox may have gone meanwhile
+            log.info("TTL kill of %s: %s", sid, exc)
+
+    # -- templates -----------------------------------------------------------------------------
+    async def _ensure_default_template(self) -> None:
+        tid = self.cfg.sandbox.default_template
+        try:
+            await self.ensure_base_template(tid)
+        except Exception as exc:
+            log.error("building the default template %r failed: %s", tid, exc)
+
+    async def ensure_base_template(self, template_id: str = "base") -> str:
+        """Build the template from the base rootfs and current kit, unless one is ready for this kit."""
+        from ..images import ensure_base_rootfs, ensure_kit, kernel_cmdline
+        from ..images.kit import host_tsc_khz
+
+        ev = self._template_events.setdefault(template_id, trio.Event())
+        try:
+            kit = await trio.to_thread.run_sync(ensure_kit, self.cfg.images_cache_dir)
+            rootfs = await trio.to_thread.run_sync(ensure_base_rootfs, self.cfg.images_cache_dir)
+
+            def current(s) -> Optional[str]:  # type: ignore[no-untyped-def]
+                t = s.get(Template, template_id)
+                if t is None or t.status != "ready" or t.boot_snapshot_id is None:
+                    return None
+                sn = s.get(Snapshot, t.boot_snapshot_id)
+                shape = (sn.config or {}).get("shape", {}) if sn else {}
+                if shape.get("kernel") != str(kit.vmlinuz) or shape.get("tools_img") != str(kit.tools_img) \
+                        or shape.get("accel") != self.accel.value or \
+                        (sn.config or {}).get("rootfs") != str(rootfs):
+                    return None
+                return t.boot_snapshot_id
+
+            if await self.db.run(current) is None:
+                assert self.pool is not None
+                log.info("building template %r (kit %s)", template_id, kit.hash[:12])
+                source = TemplateSource(rootfs=rootfs, kernel=kit.vmlinuz, initrd=kit.initramfs,
+                                        tools_img=kit.tools_img,
+                                        cmdline=kernel_cmdline(tsc_khz=host_tsc_khz() if self.accel is Accel.TCG else None),
+                                        kit_hash=kit.hash)
+                result = await build_template(
+                    db=self.db, driver=self.driver, accel=self.accel.value, pool=self.pool,
+                    source=source, layers_dir=self.cfg.layers_dir,
+                    snapshots_dir=self.cfg.templates_dir, work_root=self.cfg.state_dir / "builds",
+                    run_root=self.cfg.run_dir, template_id=template_id,
+                    alias=template_id, vcpus=self.cfg.sandbox.default_cpu_count,
+                    mem_mib=self.cfg.sandbox.default_memory_mb,
+                    disk_size_mb=self.cfg.sandbox.default_disk_size_mb, envd_version=envd_version(),
+                )
+                log.info("template %r ready in %.1fs (boot %.1fs, capture %.0f ms)", template_id,
+                         result.duration_s, result.boot_s, result.capture_s * 1000)
+            self._template_errors.pop(template_id, None)
+            return template_id
+        except Exception as exc:
+            self._template_errors[template_id] = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            ev.set()
+
+    async def _resolve_template(self, name: str) -> tuple[Template, Snapshot, list[Path]]:
+        ev = self._template_events.get(name)
+        if ev is not None and not ev.is_set():
+            with trio.move_on_after(600):
+                await ev.wait()
+
+        def work(s):  # type: ignore[no-untyped-def]
+            t = s.get(Template, name) or s.scalars(select(Template).where(Template.alias == name)).first()
+            if t is None:
+                return None
+            sn = s.get(Snapshot, t.boot_snapshot_id) if t.boot_snapshot_id else None
+            layers = []
+            if sn is not None:
+                rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == sn.id,
+                                                             SnapshotLayer.kind == "disk")
+                                 .order_by(SnapshotLayer.position))
+                layers = [Path(s.get(Layer, r.layer_digest).location) for r in rows]
+            return t, sn, layers
+
+        found = await self.db.run(work)
+        if found is None:
+            raise TemplateNotFound(f"template {name!r} not found")
+        t, sn, layers = found
+        if sn is None or t.status != "ready":
+            err = self._template_errors.get(name)
+            raise TemplateNotReady(f"template {name!r} is not ready ({err or t.status}); retry shortly")
+        return t, sn, layers
+
+    # -- sandboxes -----------------------------------------------------------------------------
+    async def create(self, req: CreateRequest) -> Sandbox:
+        async with self.node.tracker.operation("create"):
+            t, sn, layers = await self._resolve_template(req.template)
+            if self._nursery is None or self.pool is None:
+                raise TemplateNotReady("the sandbox manager is not running")
+            sid = "i" + secrets.token_hex(10)
+            token = secrets.token_urlsafe(24)
+            now = utcnow()
+            policy = EgressPolicy.from_e2b(req.allow_out, req.deny_out,
+                                           allow_internet_access=req.allow_internet_access)
+            row = Sandbox(
+                id=sid, template_id=t.id, alias=t.alias, node_id=self.node.node_id, client_id=self.node.node_id,
+                cpu_count=t.cpu_count, memory_mb=t.memory_mb, disk_size_mb=t.disk_size_mb,
+                envd_version=t.envd_version or envd_version(), envd_access_token=token,
+                traffic_access_token=None,
+                metadata_=req.metadata, env_vars=req.env_vars, auto_pause=req.auto_pause,
+                auto_resume=req.auto_resume, secure=req.secure,
+                allow_internet_access=req.allow_internet_access,
+                network_policy={k: v for k, v in (("allowOut", req.allow_out), ("denyOut", req.deny_out)) if v},
+                snapshot_id=sn.id, vmm=self.driver.name, started_at=now,
+                end_at=now + dt.timedelta(seconds=req.timeout_s),
+            )
+            await self.db.run(lambda s: repo.insert_sandbox(s, row))
+            cfg = sn.config or {}
+            spec = SandboxSpec(
+                sandbox_id=sid, shape=MachineShape.from_json(cfg["shape"]), disk_layers=tuple(layers),
+                vmstate=Path(sn.vmstate_location), memory=Path(cfg["memory"]),
+                snapshot_format=cfg["format"], env_vars=dict(req.env_vars), access_token=token,
+                previous_token=cfg.get("access_token"), default_user="user", policy=policy,
+                workdir=self.cfg.sandboxes_dir / sid, run_dir=self.cfg.run_dir / sid,
+            )
+            await self._nursery.start(self._run, spec)
+            return await self.db.run(lambda s: repo.get_sandbox(s, sid))
+
+    async def _run(self, spec: SandboxSpec, *, task_status: trio.TaskStatus[SandboxHandle]) -> None:
+        assert self.pool is not None
+        try:
+            await run_sandbox(spec, db=self.db, driver=self.driver, pool=self.pool, live=self.live,
+                              task_status=task_status)
+        finally:
+            with trio.CancelScope(shield=True):
+                for hook in self.stopped_hooks:
+                    try:
+                        await hook(spec.sandbox_id)
+                    except Exception:
+                        log.exception("stopped hook for %s failed", spec.sandbox_id)
+
+    async def kill(self, sandbox_id: str, *, reason: str = "kill") -> bool:
+        """Kill a sandbox; False if it does not exist (or is already killed)."""
+        handle = self.live.get(sandbox_id)
+        if handle is None:
+            def work(s) -> bool:  # type: ignore[no-untyped-def]
+                sb = s.get(Sandbox, sandbox_id)
+                if sb is None or sb.state == SandboxState.KILLED.value:
+                    return False
+                # no process on this node (error, or paused later): just record the kill
+                if sb.state != SandboxState.KILLING.value:
+                    repo.transition(s, sandbox_id, SandboxState.KILLING, operation=reason)
+                repo.transition(s, sandbox_id, SandboxState.KILLED, operation=reason)
+                return True
+
+            return await self.db.run(work)
+        async with self.node.tracker.operation("kill"):
+            await self.db.run(lambda s: repo.transition(
+                s, sandbox_id, SandboxState.KILLING, operation=reason,
+                expect=[SandboxState.RUNNING, SandboxState.ERROR]))
+            handle.request_stop(reason)
+            await handle.done.wait()
+        return True
+
+    async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
+        handle = self.live.get(sandbox_id)
+        if handle is None:
+            raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
+        return handle
+
+
+def _which(binary: str) -> Path:
+    import shutil
+
+    found = shutil.which(binary)
+    return Path(found) if found else Path(binary)
+
+
+def _is_our_vmm(pid: int, sandbox_id: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return sandbox_id.encode() in cmdline

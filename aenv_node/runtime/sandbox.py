@@ -1,0 +1,190 @@
+"""One sandbox = one task with its own scope, owning everything the sandbox holds.
+
+``run_sandbox`` is started in the sandbox manager's nursery. Until it reports
+ready it builds the sandbox up (network slot, disk image over the snapshot's
+layers with a fresh upper, NBD server, VMM restored from the snapshot, envd
+``/init``); then it waits until the sandbox is asked to stop or its VMM dies.
+Whatever ends it, it tears everything down in reverse order in shielded
+cleanup and writes the final state with its event, so after a kill no
+process, socket, namespace or upper file is left and the database says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import trio
+
+from ..net import EgressPolicy, SlotPool
+from ..snapshot.envd import init_envd
+from ..snapshot.machine import MachineShape, open_machine
+from ..state import Database, SandboxState
+from ..state import repository as repo
+from ..storage.image import Image
+from ..vmm import SnapshotFiles, SnapshotFormat, VmmDriver
+
+__all__ = ["SandboxSpec", "SandboxHandle", "run_sandbox"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything needed to bring one sandbox up from a snapshot."""
+
+    sandbox_id: str
+    shape: MachineShape
+    disk_layers: tuple[Path, ...]
+    vmstate: Path
+    memory: Path
+    snapshot_format: str
+    env_vars: dict[str, str]
+    access_token: Optional[str]
+    previous_token: Optional[str]
+    default_user: str
+    policy: EgressPolicy
+    workdir: Path
+    run_dir: Path
+    operation: str = "create"
+
+
+@dataclass
+class SandboxHandle:
+    """The live part of a sandbox that other tasks may touch."""
+
+    sandbox_id: str
+    address: str
+    access_token: Optional[str]
+    slot_index: int
+    vmm_pid: int
+    stop_requested: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)
+    stop_reason: str = "kill"
+    slot: Any = None
+    traffic_token: Optional[str] = None
+
+    def request_stop(self, reason: str = "kill") -> None:
+        if not self.stop_requested.is_set():
+            self.stop_reason = reason
+            self.stop_requested.set()
+
+
+async def run_sandbox(
+    spec: SandboxSpec,
+    *,
+    db: Database,
+    driver: VmmDriver,
+    pool: SlotPool,
+    live: dict[str, SandboxHandle],
+    task_status: trio.TaskStatus[SandboxHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    sid = spec.sandbox_id
+    t0 = time.monotonic()
+    handle: SandboxHandle | None = None
+    error: str | None = None
+    vm_exit: int | None = None
+    try:
+        slot = await pool.acquire(spec.policy)
+        try:
+            image = await trio.to_thread.run_sync(
+                lambda: Image.open(spec.disk_layers, spec.workdir / "upper"))
+            try:
+                snapshot = SnapshotFiles(spec.vmstate, spec.memory, SnapshotFormat(spec.snapshot_format))
+                async with open_machine(driver, spec.shape, disk=image, slot=slot, workdir=spec.workdir,
+                                        run_dir=spec.run_dir, snapshot=snapshot,
+                                        name=f"aenv-{sid}") as m:
+                    t_restored = time.monotonic()
+                    await init_envd(slot.address, env_vars=spec.env_vars,
+                                    access_token=spec.access_token,
+                                    previous_token=spec.previous_token,
+                                    default_user=spec.default_user)
+                    duration_ms = (time.monotonic() - t0) * 1000
+                    handle = SandboxHandle(sid, slot.address, spec.access_token, slot.index, m.vm.pid,
+                                           slot=slot)
+
+                    def ready(s) -> None:  # type: ignore[no-untyped-def]
+                        repo.claim_slot(s, slot.index, sid)
+                        repo.transition(s, sid, SandboxState.RUNNING, operation=spec.operation,
+                                        duration_ms=duration_ms, vmm_pid=m.vm.pid,
+                                        slot_index=slot.index, workdir=str(spec.workdir),
+                                        detail={"restore_ms": round((t_restored - t0) * 1000, 1)})
+
+                    await db.run(ready)
+                    live[sid] = handle
+                    task_status.started(handle)
+                    async with trio.open_nursery() as watch:
+                        async def vmm_watch() -> None:
+                            nonlocal vm_exit
+                            vm_exit = await m.vm.wait()
+                            handle.request_stop("vmm_exit")
+
+                        watch.start_soon(vmm_watch)
+                        await handle.stop_requested.wait()
+                        watch.cancel_scope.cancel()
+                    if handle.stop_reason == "vmm_exit":
+                        error = f"the VMM exited unexpectedly (status {vm_exit}); see {spec.workdir}/console.log"
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(image.close)
+        finally:
+            with trio.CancelScope(shield=True):
+                await pool.release(slot)
+    except BaseException as exc:
+        if _only_cancelled(exc):
+            if handle is not None and not handle.stop_requested.is_set():
+                handle.stop_reason = "node_shutdown"
+        else:
+            error = _describe(exc)
+            log.warning("sandbox %s failed: %s", sid, error)
+        raise
+    finally:
+        with trio.CancelScope(shield=True):
+            live.pop(sid, None)
+            # keep the console log of a sandbox that failed; remove everything of one that was killed
+            shutil.rmtree(spec.workdir if error is None else spec.workdir / "upper", ignore_errors=True)
+            shutil.rmtree(spec.run_dir, ignore_errors=True)
+            reason = handle.stop_reason if handle is not None else "create_failed"
+
+            def final(s) -> None:  # type: ignore[no-untyped-def]
+                repo.release_slot_of(s, sid)
+                sb = s.get(repo.Sandbox, sid)
+                if sb is None:
+                    return
+                current = SandboxState(sb.state)
+                if error is not None and current in (SandboxState.CREATING, SandboxState.RUNNING):
+                    repo.transition(s, sid, SandboxState.ERROR, operation=spec.operation if handle is None else reason,
+                                    error=error, vmm_pid=None, slot_index=None)
+                    return
+                if current in (SandboxState.RUNNING, SandboxState.CREATING, SandboxState.ERROR):
+                    repo.transition(s, sid, SandboxState.KILLING, operation=reason)
+                    current = SandboxState.KILLING
+                if current == SandboxState.KILLING:
+                    repo.transition(s, sid, SandboxState.KILLED, operation=reason,
+                                    duration_ms=None, vmm_pid=None, slot_index=None, error=error)
+
+            try:
+                await db.run(final)
+            except Exception:
+                log.exception("recording the end of sandbox %s failed", sid)
+            if handle is not None:
+                handle.done.set()
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """True for a trio.Cancelled, or an exception group holding nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
+def _describe(exc: BaseException) -> str:
+    """The first real error inside (possibly nested) exception groups, as one line."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not _only_cancelled(e)]
+        exc = inner[0] if inner else exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"

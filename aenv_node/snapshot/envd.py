@@ -1,0 +1,77 @@
+"""The node's side of envd: wait for it, and ``/init`` it after every boot or restore.
+
+After a restore the guest wakes with the clock, env vars and access token of
+its snapshot; ``/init`` gives it the sandbox's own (DESIGN.md "envd"). envd
+lets a first ``/init`` set any token and requires the current token in
+``X-Access-Token`` to rotate it (aenv_node/guest/control.py), so the node sends
+the token the snapshot was taken with as the header.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Mapping
+
+import httpx
+import trio
+
+__all__ = ["ENVD_PORT", "EnvdUnavailable", "wait_envd", "init_envd"]
+
+ENVD_PORT = 49983
+
+
+class EnvdUnavailable(Exception):
+    """envd in the guest did not answer in time (the guest did not boot or restore)."""
+
+
+def _url(host: str, path: str) -> str:
+    return f"http://{host}:{ENVD_PORT}{path}"
+
+
+async def wait_envd(host: str, *, timeout: float = 120.0, interval: float = 0.05) -> float:
+    """Poll ``/health`` until envd answers; returns the seconds waited."""
+    start = time.monotonic()
+    last: str = "no answer"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0)) as client:
+        with trio.move_on_after(timeout):
+            while True:
+                try:
+                    r = await client.get(_url(host, "/health"))
+                    if r.status_code in (200, 204):
+                        return time.monotonic() - start
+                    last = f"HTTP {r.status_code}"
+                except httpx.HTTPError as exc:
+                    last = f"{type(exc).__name__}"
+                await trio.sleep(interval)
+    raise EnvdUnavailable(f"envd at {host}:{ENVD_PORT} not ready after {timeout:.0f}s ({last})")
+
+
+async def init_envd(
+    host: str,
+    *,
+    env_vars: Mapping[str, str],
+    access_token: str | None,
+    previous_token: str | None = None,
+    default_user: str | None = None,
+    default_workdir: str | None = None,
+    timeout: float = 30.0,
+) -> None:
+    body: dict[str, object] = {
+        "envVars": dict(env_vars),
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z"),
+    }
+    if access_token is not None:
+        body["accessToken"] = access_token
+    if default_user:
+        body["defaultUser"] = default_user
+    if default_workdir:
+        body["defaultWorkdir"] = default_workdir
+    headers = {"X-Access-Token": previous_token} if previous_token else {}
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        try:
+            r = await client.post(_url(host, "/init"), json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise EnvdUnavailable(f"envd /init at {host} failed: {exc}") from exc
+    if r.status_code >= 300:
+        raise EnvdUnavailable(f"envd /init at {host} answered {r.status_code}: {r.text[:200]}")

@@ -1,0 +1,97 @@
+"""One sandbox machine, assembled: disk image + NBD server + network slot + VMM process.
+
+Template builds (boot) and sandboxes (restore) run the same machine; only the
+way the VMM starts differs. ``open_machine`` owns, for the duration of its
+``async with``, the NBD server exporting the rootfs image and the VMM process;
+the caller owns the image (it seals or discards it) and the slot (it returns it
+to the pool). Leaving the block, by any path, stops the VMM first and the disk
+server second, so the guest never sees its disk vanish under it.
+
+The VM shape (vcpus, memory, devices in order, MAC, kernel command line) must
+be identical between the boot that captured a snapshot and every restore of
+it: ``MachineShape`` is stored with the snapshot and handed back here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from ..net import Slot
+from ..storage.frontends.nbd import NbdServer, serve_nbd
+from ..vmm import Accel, Drive, MemoryMode, NetIf, SnapshotFiles, Vm, VmConfig, VmmDriver
+
+__all__ = ["MachineShape", "Machine", "open_machine"]
+
+
+@dataclass(frozen=True)
+class MachineShape:
+    """What must not change between a capture and its restores."""
+
+    vcpus: int
+    mem_mib: int
+    kernel: str
+    initrd: str
+    cmdline: str
+    tools_img: str
+    accel: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MachineShape":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Machine:
+    vm: Vm
+    nbd: NbdServer
+    slot: Slot
+    config: VmConfig
+
+
+@contextlib.asynccontextmanager
+async def open_machine(
+    driver: VmmDriver,
+    shape: MachineShape,
+    *,
+    disk: Any,  # a storage BlockDevice (the image over the template's layers + this machine's upper)
+    slot: Slot,
+    workdir: Path,
+    run_dir: Path,
+    snapshot: SnapshotFiles | None = None,
+    mem_file: Path | None = None,
+    name: str = "aenv-vm",
+) -> AsyncIterator[Machine]:
+    """Start the machine: boot it (``snapshot`` None; RAM in ``mem_file`` mapped shared, so a later capture
+    only saves device state) or restore it from ``snapshot`` (its memory image mapped copy-on-write)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    async with serve_nbd(disk, run_dir / "disk.sock") as nbd:
+        config = VmConfig(
+            workdir=workdir,
+            kernel=Path(shape.kernel),
+            vcpus=shape.vcpus,
+            mem_mib=shape.mem_mib,
+            initrd=Path(shape.initrd),
+            cmdline=shape.cmdline,
+            drives=(Drive(nbd.uri), Drive(shape.tools_img, read_only=True)),
+            net=NetIf(tap=slot.tap, mac=slot.guest_mac),
+            mem_file=mem_file,
+            mem_mode=MemoryMode.SHARED if snapshot is None else MemoryMode.PRIVATE,
+            api_socket=run_dir / "vmm.sock",
+            console_log=workdir / "console.log",
+            netns=Path(slot.netns_path),
+            accel=Accel(shape.accel),
+            name=name,
+        )
+        if snapshot is None:
+            ctx = driver.boot(config)
+        else:
+            ctx = driver.restore(config, snapshot)
+        async with ctx as vm:
+            yield Machine(vm=vm, nbd=nbd, slot=slot, config=config)

@@ -1,0 +1,126 @@
+"""A real node for the end-to-end tests: ``aenv-node serve`` as a subprocess.
+
+One node per test session (building the ``base`` template boots a Linux guest
+once: under QEMU TCG here). Its state directory is fresh; the guest kit and the
+base rootfs come from the shared image cache the set-up script fills
+(``/var/lib/aenv``), so they are not rebuilt. Sandboxes get no route off the
+machine (``net.egress = false``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from ..conftest import free_port
+
+IMAGE_CACHE = os.environ.get("AENV_TEST_IMAGE_CACHE", "/var/lib/aenv")
+DOMAIN = "aenv.test"
+
+
+@dataclass
+class NodeProcess:
+    url: str
+    api_key: str
+    state_dir: Path
+    proc: subprocess.Popen
+    log_path: Path
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-KEY": self.api_key}, timeout=60)
+
+    def sdk_env(self) -> dict[str, str]:
+        return {"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url, "E2B_API_KEY": self.api_key}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def sql(self, query: str) -> list[tuple]:
+        import sqlite3
+
+        con = sqlite3.connect(self.state_dir / "aenv.db")
+        try:
+            return con.execute(query).fetchall()
+        finally:
+            con.close()
+
+
+def _wait_template(node: NodeProcess, template: str = "base", timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    with node.api() as c:
+        while time.monotonic() < deadline:
+            assert node.proc.poll() is None, f"node exited:\n{node.log()[-3000:]}"
+            try:
+                r = c.get(f"/templates/{template}")
+                if r.status_code == 200 and r.json()["buildStatus"] == "ready":
+                    return
+                if r.status_code == 200 and r.json()["buildStatus"] == "error":
+                    raise AssertionError(f"template build failed:\n{node.log()[-3000:]}")
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+    raise AssertionError(f"template {template} not ready after {timeout}s:\n{node.log()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def node() -> Iterator[NodeProcess]:
+    state = Path(tempfile.mkdtemp(prefix="aenv-e2e-", dir="/var/tmp"))
+    port = free_port()
+    log_path = state / "node.log"
+    env = {
+        **os.environ,
+        "AENV_STATE_DIR": str(state),
+        "AENV_IMAGES_CACHE_DIR": IMAGE_CACHE,
+        "AENV_NET_EGRESS": "false",
+        "AENV_API_DOMAIN": DOMAIN,
+        "AENV_NET_WARM_SLOTS": "2",
+        "AENV_SANDBOX_TTL_CHECK_INTERVAL_S": "0.5",
+    }
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "node did not answer /health"
+            time.sleep(0.2)
+        key = (state / "secrets" / "api-key").read_text().strip()
+        n = NodeProcess(url, key, state, proc, log_path)
+        _wait_template(n)
+        yield n
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def sdk_env(node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> NodeProcess:
+    """Point the unmodified E2B SDK at the node, the way a user would (environment variables)."""
+    for k, v in node.sdk_env().items():
+        monkeypatch.setenv(k, v)
+    return node
