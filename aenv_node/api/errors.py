@@ -16,6 +16,7 @@ from quart import Quart, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
 from ..config import ConfigError
+from ..net.errors import EgressPolicyError
 from ..state.errors import IllegalTransition, NotFound
 
 __all__ = ["ApiError", "error_response", "install_error_handlers"]
@@ -49,7 +50,7 @@ def _status_for(exc: BaseException) -> tuple[int, str]:
         return 404, str(exc)
     if isinstance(exc, IllegalTransition):
         return 409, str(exc)
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, EgressPolicyError)):
         return 400, str(exc)
     status = getattr(exc, "http_status", None)
     if isinstance(status, int):

@@ -32,6 +32,7 @@ from ..net import (
     remove_orphans,
     teardown_host_networking,
 )
+from ..snapshot.capture import SnapshotSource, capture_running
 from ..snapshot.machine import MachineShape
 from ..snapshot.templates import TemplateSource, build_template
 from ..state import Database, NetworkSlot, Sandbox, SandboxState, Snapshot, SnapshotLayer, Template, utcnow
@@ -68,6 +69,16 @@ class TemplateNotReady(RuntimeLayerError):
 
 class SandboxNotRunning(RuntimeLayerError):
     http_status = 404
+
+
+class SandboxConflict(RuntimeLayerError):
+    """The sandbox is not in a state that allows the operation (e.g. pausing a paused one)."""
+
+    http_status = 409
+
+
+class ForkLimit(RuntimeLayerError):
+    http_status = 400
 
 
 def node_tag(cfg: Config) -> str:
@@ -135,6 +146,8 @@ class SandboxManager:
         self._nursery: trio.Nursery | None = None
         self._template_events: dict[str, trio.Event] = {}
         self._template_errors: dict[str, str] = {}
+        self._resume_locks: dict[str, trio.Lock] = {}
+        self._expiring: set[str] = set()
         choice = make_driver(cfg.vmm.kind, accel_override=cfg.vmm.accel,
                              qemu_binary=_which(cfg.vmm.qemu_binary),
                              firecracker_binary=Path(cfg.vmm.firecracker_binary),
@@ -172,6 +185,11 @@ class SandboxManager:
             for sb in rows:
                 found.append((sb.id, sb.vmm_pid))
                 current = SandboxState(sb.state)
+                if current == SandboxState.RESUMING:
+                    # its pause snapshot is intact: it is still paused
+                    repo.transition(s, sb.id, SandboxState.PAUSED, operation="reconcile",
+                                    vmm_pid=None, slot_index=None)
+                    continue
                 if current != SandboxState.KILLING:
                     repo.transition(s, sb.id, SandboxState.KILLING, operation="reconcile")
                 repo.transition(s, sb.id, SandboxState.KILLED, operation="reconcile",
@@ -198,20 +216,26 @@ class SandboxManager:
             await trio.sleep(interval)
             now = utcnow()
 
-            def expired(s) -> list[str]:  # type: ignore[no-untyped-def]
-                return list(s.scalars(select(Sandbox.id).where(
-                    Sandbox.state == SandboxState.RUNNING.value, Sandbox.end_at <= now)))
+            def expired(s) -> list[tuple[str, bool]]:  # type: ignore[no-untyped-def]
+                return list(s.execute(select(Sandbox.id, Sandbox.auto_pause).where(
+                    Sandbox.state == SandboxState.RUNNING.value, Sandbox.end_at <= now)).all())
 
-            for sid in await self.db.run(expired):
-                if sid in self.live:
-                    log.info("sandbox %s reached its end: killing", sid)
-                    self._nursery.start_soon(self._kill_quietly, sid, "timeout")  # type: ignore[union-attr]
+            for sid, auto_pause in await self.db.run(expired):
+                if sid in self.live and sid not in self._expiring:
+                    self._expiring.add(sid)
+                    log.info("sandbox %s reached its end: %s", sid, "pausing" if auto_pause else "killing")
+                    self._nursery.start_soon(self._expire, sid, auto_pause)  # type: ignore[union-attr]
 
-    async def _kill_quietly(self, sid: str, reason: str) -> None:
+    async def _expire(self, sid: str, auto_pause: bool) -> None:
         try:
-            await self.kill(sid, reason=reason)
+            if auto_pause:
+                await self.pause(sid, reason="timeout")
+            else:
+                await self.kill(sid, reason="timeout")
         except Exception as exc:  # the sandbox may have gone meanwhile
-            log.info("TTL kill of %s: %s", sid, exc)
+            log.info("end of %s: %s", sid, exc)
+        finally:
+            self._expiring.discard(sid)
 
     # -- templates -----------------------------------------------------------------------------
     async def _ensure_default_template(self) -> None:
@@ -269,7 +293,7 @@ class SandboxManager:
         finally:
             ev.set()
 
-    async def _resolve_template(self, name: str) -> tuple[Template, Snapshot, list[Path]]:
+    async def _resolve_template(self, name: str) -> tuple[Template, Snapshot]:
         ev = self._template_events.get(name)
         if ev is not None and not ev.is_set():
             with trio.move_on_after(600):
@@ -280,40 +304,73 @@ class SandboxManager:
             if t is None:
                 return None
             sn = s.get(Snapshot, t.boot_snapshot_id) if t.boot_snapshot_id else None
-            layers = []
-            if sn is not None:
-                rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == sn.id,
-                                                             SnapshotLayer.kind == "disk")
-                                 .order_by(SnapshotLayer.position))
-                layers = [Path(s.get(Layer, r.layer_digest).location) for r in rows]
-            return t, sn, layers
+            return t, sn
 
         found = await self.db.run(work)
         if found is None:
             raise TemplateNotFound(f"template {name!r} not found")
-        t, sn, layers = found
-        if sn is None or t.status != "ready":
+        t, sn = found
+        if sn is None or t.status != "ready" or sn.status != "committed":
             err = self._template_errors.get(name)
             raise TemplateNotReady(f"template {name!r} is not ready ({err or t.status}); retry shortly")
-        return t, sn, layers
+        return t, sn
+
+    async def _load_source(self, snapshot_id: str) -> tuple[SnapshotSource, Snapshot]:
+        def work(s):  # type: ignore[no-untyped-def]
+            sn = s.get(Snapshot, snapshot_id)
+            if sn is None or sn.status != "committed":
+                return None
+            rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == sn.id,
+                                                         SnapshotLayer.kind == "disk")
+                             .order_by(SnapshotLayer.position))
+            layers = [Path(s.get(Layer, r.layer_digest).location) for r in rows]
+            return sn, layers
+
+        found = await self.db.run(work)
+        if found is None:
+            raise TemplateNotFound(f"snapshot {snapshot_id} not found")
+        sn, layers = found
+        cfg = sn.config or {}
+        source = SnapshotSource(
+            snapshot_id=sn.id, memory=Path(cfg["memory"]),
+            memory_layers=list(cfg.get("memory_layers") or []),
+            memory_base=cfg.get("memory_base") or cfg["memory"],
+            shape=MachineShape.from_json(cfg["shape"]), template_id=sn.template_id or "",
+            disk_layers=layers)
+        return source, sn
+
+    def _spec(self, sid: str, source: SnapshotSource, sn: Snapshot, *, env_vars: dict[str, str],
+              token: str, previous_token: Optional[str], policy: EgressPolicy, operation: str) -> SandboxSpec:
+        return SandboxSpec(
+            sandbox_id=sid, source=source, vmstate=Path(sn.vmstate_location),
+            snapshot_format=(sn.config or {})["format"], env_vars=env_vars, access_token=token,
+            previous_token=previous_token, default_user="user", policy=policy,
+            workdir=self.cfg.sandboxes_dir / sid, run_dir=self.cfg.run_dir / sid, operation=operation)
+
+    def _running(self) -> trio.Nursery:
+        if self._nursery is None or self.pool is None:
+            raise TemplateNotReady("the sandbox manager is not running")
+        return self._nursery
 
     # -- sandboxes -----------------------------------------------------------------------------
     async def create(self, req: CreateRequest) -> Sandbox:
         async with self.node.tracker.operation("create"):
-            t, sn, layers = await self._resolve_template(req.template)
-            if self._nursery is None or self.pool is None:
-                raise TemplateNotReady("the sandbox manager is not running")
+            t, sn = await self._resolve_template(req.template)
+            source, sn = await self._load_source(sn.id)
+            nursery = self._running()
             sid = "i" + secrets.token_hex(10)
             token = secrets.token_urlsafe(24)
             now = utcnow()
             policy = EgressPolicy.from_e2b(req.allow_out, req.deny_out,
                                            allow_internet_access=req.allow_internet_access)
+            # a snapshot used as a template carries the env vars of the sandbox it came from
+            env_vars = {**((sn.config or {}).get("env_vars") or {}), **req.env_vars}
             row = Sandbox(
-                id=sid, template_id=t.id, alias=t.alias, node_id=self.node.node_id, client_id=self.node.node_id,
-                cpu_count=t.cpu_count, memory_mb=t.memory_mb, disk_size_mb=t.disk_size_mb,
-                envd_version=t.envd_version or envd_version(), envd_access_token=token,
-                traffic_access_token=None,
-                metadata_=req.metadata, env_vars=req.env_vars, auto_pause=req.auto_pause,
+                id=sid, template_id=t.id, alias=t.alias, node_id=self.node.node_id,
+                client_id=self.node.node_id, cpu_count=t.cpu_count, memory_mb=t.memory_mb,
+                disk_size_mb=t.disk_size_mb, envd_version=t.envd_version or envd_version(),
+                envd_access_token=token, traffic_access_token=None,
+                metadata_=req.metadata, env_vars=env_vars, auto_pause=req.auto_pause,
                 auto_resume=req.auto_resume, secure=req.secure,
                 allow_internet_access=req.allow_internet_access,
                 network_policy={k: v for k, v in (("allowOut", req.allow_out), ("denyOut", req.deny_out)) if v},
@@ -321,15 +378,10 @@ class SandboxManager:
                 end_at=now + dt.timedelta(seconds=req.timeout_s),
             )
             await self.db.run(lambda s: repo.insert_sandbox(s, row))
-            cfg = sn.config or {}
-            spec = SandboxSpec(
-                sandbox_id=sid, shape=MachineShape.from_json(cfg["shape"]), disk_layers=tuple(layers),
-                vmstate=Path(sn.vmstate_location), memory=Path(cfg["memory"]),
-                snapshot_format=cfg["format"], env_vars=dict(req.env_vars), access_token=token,
-                previous_token=cfg.get("access_token"), default_user="user", policy=policy,
-                workdir=self.cfg.sandboxes_dir / sid, run_dir=self.cfg.run_dir / sid,
-            )
-            await self._nursery.start(self._run, spec)
+            spec = self._spec(sid, source, sn, env_vars=env_vars, token=token,
+                              previous_token=(sn.config or {}).get("access_token"), policy=policy,
+                              operation="create")
+            await nursery.start(self._run, spec)
             return await self.db.run(lambda s: repo.get_sandbox(s, sid))
 
     async def _run(self, spec: SandboxSpec, *, task_status: trio.TaskStatus[SandboxHandle]) -> None:
@@ -353,14 +405,16 @@ class SandboxManager:
                 sb = s.get(Sandbox, sandbox_id)
                 if sb is None or sb.state == SandboxState.KILLED.value:
                     return False
-                # no process on this node (error, or paused later): just record the kill
+                # no process on this node (paused, or error): just record the kill
                 if sb.state != SandboxState.KILLING.value:
                     repo.transition(s, sandbox_id, SandboxState.KILLING, operation=reason)
                 repo.transition(s, sandbox_id, SandboxState.KILLED, operation=reason)
                 return True
 
             return await self.db.run(work)
-        async with self.node.tracker.operation("kill"):
+        async with self.node.tracker.operation("kill"), handle.op_lock:
+            if handle.done.is_set():
+                return True
             await self.db.run(lambda s: repo.transition(
                 s, sandbox_id, SandboxState.KILLING, operation=reason,
                 expect=[SandboxState.RUNNING, SandboxState.ERROR]))
@@ -368,11 +422,230 @@ class SandboxManager:
             await handle.done.wait()
         return True
 
-    async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
+    async def _state(self, sandbox_id: str) -> SandboxState:
+        sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
+        return SandboxState(sb.state)
+
+    async def pause(self, sandbox_id: str, *, reason: str = "pause") -> None:
+        """Capture the sandbox incrementally, stop its VMM and free its slot (E2B: 409 if paused)."""
         handle = self.live.get(sandbox_id)
         if handle is None:
-            raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
+            state = await self._state(sandbox_id)
+            raise SandboxConflict(f"sandbox {sandbox_id} is already {state.value}"
+                                  if state == SandboxState.PAUSED else
+                                  f"sandbox {sandbox_id} is {state.value}: only a running sandbox can pause")
+        async with self.node.tracker.operation("pause"), handle.op_lock:
+            if handle.done.is_set():
+                raise SandboxConflict(f"sandbox {sandbox_id} stopped meanwhile")
+            await self.db.run(lambda s: repo.transition(s, sandbox_id, SandboxState.PAUSING,
+                                                        operation=reason, expect=[SandboxState.RUNNING]))
+            try:
+                out = await capture_running(
+                    db=self.db, vm=handle.vm, image=handle.image, sandbox_id=sandbox_id,
+                    source=handle.source, kind="pause", keep_running=False,
+                    layers_dir=self.cfg.layers_dir, snapshots_dir=self.cfg.templates_dir,
+                    access_token=handle.access_token, env_vars=handle.env_vars)
+            except BaseException as exc:
+                with trio.CancelScope(shield=True):
+                    await self._after_failed_capture(handle, "pause", exc)
+                raise
+            handle.paused_snapshot_id = out.snapshot_id
+            handle.request_stop(reason)
+            await handle.done.wait()
+
+    async def _after_failed_capture(self, handle: SandboxHandle, operation: str, exc: BaseException) -> None:
+        """Truthful state after a failed capture: running again if the VM runs, else error."""
+        sid = handle.sandbox_id
+        try:
+            await handle.vm.resume()
+            ok = True
+        except Exception:
+            ok = False
+        message = f"{type(exc).__name__}: {exc}"
+        if ok:
+            await self.db.run(lambda s: repo.transition(s, sid, SandboxState.RUNNING, operation=operation,
+                                                        error=message))
+        else:
+            await self.db.run(lambda s: repo.transition(s, sid, SandboxState.ERROR, operation=operation,
+                                                        error=message))
+            handle.request_stop("error")
+
+    async def resume(self, sandbox_id: str, *, timeout_s: Optional[int] = None) -> tuple[Sandbox, bool]:
+        """Running: (row, False). Paused: restore it from its pause snapshot, (row, True)."""
+        async with self.node.tracker.operation("resume"):
+            lock = self._resume_locks.setdefault(sandbox_id, trio.Lock())
+            async with lock:
+                sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
+                if sb.state == SandboxState.RUNNING.value and sandbox_id in self.live:
+                    if timeout_s is not None:
+                        await self._set_end(sandbox_id, timeout_s)
+                    return await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id)), False
+                if sb.state != SandboxState.PAUSED.value or sb.snapshot_id is None:
+                    raise SandboxConflict(f"sandbox {sandbox_id} is {sb.state}: it cannot be resumed")
+                source, sn = await self._load_source(sb.snapshot_id)
+                nursery = self._running()
+                end = utcnow() + dt.timedelta(seconds=timeout_s if timeout_s is not None
+                                              else self.cfg.sandbox.default_timeout_s)
+                await self.db.run(lambda s: repo.transition(
+                    s, sandbox_id, SandboxState.RESUMING, operation="resume",
+                    expect=[SandboxState.PAUSED], end_at=end))
+                policy = EgressPolicy.from_e2b((sb.network_policy or {}).get("allowOut"),
+                                               (sb.network_policy or {}).get("denyOut"),
+                                               allow_internet_access=sb.allow_internet_access)
+                spec = self._spec(sandbox_id, source, sn, env_vars=dict(sb.env_vars or {}),
+                                  token=sb.envd_access_token or secrets.token_urlsafe(24),
+                                  previous_token=sb.envd_access_token, policy=policy, operation="resume")
+                try:
+                    await nursery.start(self._run, spec)
+                except BaseException:
+                    raise
+                return await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id)), True
+
+    async def _set_end(self, sandbox_id: str, timeout_s: int) -> None:
+        end = utcnow() + dt.timedelta(seconds=timeout_s)
+        await self.db.run(lambda s: repo.update_sandbox(s, sandbox_id, operation="set_timeout",
+                                                        detail={"timeout_s": timeout_s}, end_at=end))
+
+    async def snapshot(self, sandbox_id: str, *, name: Optional[str] = None) -> str:
+        """Snapshot a running sandbox (brief pause); the snapshot is also a template."""
+        handle = self._live_or_conflict(sandbox_id, "snapshot")
+        async with self.node.tracker.operation("snapshot"), handle.op_lock:
+            return await self._capture_live(handle, kind="user", name=name,
+                                            state=SandboxState.SNAPSHOTTING, operation="snapshot")
+
+    def _live_or_conflict(self, sandbox_id: str, op: str) -> SandboxHandle:
+        handle = self.live.get(sandbox_id)
+        if handle is None:
+            raise SandboxConflict(f"sandbox {sandbox_id} is not running: cannot {op} it")
         return handle
+
+    async def _capture_live(self, handle: SandboxHandle, *, kind: str, name: Optional[str],
+                            state: SandboxState, operation: str) -> str:
+        sid = handle.sandbox_id
+        await self.db.run(lambda s: repo.transition(s, sid, state, operation=operation,
+                                                    expect=[SandboxState.RUNNING]))
+        try:
+            out = await capture_running(
+                db=self.db, vm=handle.vm, image=handle.image, sandbox_id=sid, source=handle.source,
+                kind=kind, keep_running=True, layers_dir=self.cfg.layers_dir,
+                snapshots_dir=self.cfg.templates_dir, access_token=handle.access_token,
+                env_vars=handle.env_vars, name=name)
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                await self._after_failed_capture(handle, operation, exc)
+            raise
+        handle.source.disk_layers = list(out.disk_layers)
+        sb_row = await self.db.run(lambda s: repo.get_sandbox(s, sid))
+
+        def done(s) -> None:  # type: ignore[no-untyped-def]
+            repo.transition(s, sid, SandboxState.RUNNING, operation=operation,
+                            duration_ms=out.total_ms,
+                            detail={"snapshot_id": out.snapshot_id, "paused_ms": round(out.paused_ms, 1),
+                                    "dirty_bytes": out.dirty_bytes})
+            if kind == "user":
+                s.add(Template(id=out.snapshot_id, alias=None, kind="snapshot", status="ready",
+                               cpu_count=sb_row.cpu_count, memory_mb=sb_row.memory_mb,
+                               disk_size_mb=sb_row.disk_size_mb, envd_version=sb_row.envd_version,
+                               boot_snapshot_id=out.snapshot_id))
+
+        await self.db.run(done)
+        return out.snapshot_id
+
+    async def fork(self, sandbox_id: str, *, count: int, timeout_s: Optional[int]) -> list[dict[str, Any]]:
+        """One capture of the parent, then ``count`` restores in parallel; per-child results."""
+        if not 1 <= count <= self.cfg.sandbox.fork_max_count:
+            raise ForkLimit(f"count must be between 1 and {self.cfg.sandbox.fork_max_count}")
+        handle = self._live_or_conflict(sandbox_id, "fork")
+        async with self.node.tracker.operation("fork"):
+            async with handle.op_lock:
+                snap_id = await self._capture_live(handle, kind="fork", name=None,
+                                                   state=SandboxState.FORKING, operation="fork")
+            parent = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
+            source, sn = await self._load_source(snap_id)
+            nursery = self._running()
+            results: list[dict[str, Any]] = [{} for _ in range(count)]
+            timeout = timeout_s if timeout_s is not None else self.cfg.sandbox.default_timeout_s
+
+            async def child(i: int) -> None:
+                sid = "i" + secrets.token_hex(10)
+                token = secrets.token_urlsafe(24)
+                now = utcnow()
+                row = Sandbox(
+                    id=sid, template_id=parent.template_id, alias=parent.alias, node_id=self.node.node_id,
+                    client_id=self.node.node_id, cpu_count=parent.cpu_count, memory_mb=parent.memory_mb,
+                    disk_size_mb=parent.disk_size_mb, envd_version=parent.envd_version,
+                    envd_access_token=token, metadata_=dict(parent.metadata_ or {}),
+                    env_vars=dict(parent.env_vars or {}), auto_pause=parent.auto_pause,
+                    auto_resume=parent.auto_resume, secure=parent.secure,
+                    allow_internet_access=parent.allow_internet_access,
+                    network_policy=dict(parent.network_policy or {}), snapshot_id=snap_id,
+                    parent_sandbox_id=sandbox_id, vmm=self.driver.name, started_at=now,
+                    end_at=now + dt.timedelta(seconds=timeout))
+                await self.db.run(lambda s: repo.insert_sandbox(s, row, operation="fork"))
+                policy = EgressPolicy.from_e2b((parent.network_policy or {}).get("allowOut"),
+                                               (parent.network_policy or {}).get("denyOut"),
+                                               allow_internet_access=parent.allow_internet_access)
+                spec = self._spec(sid, source, sn, env_vars=dict(parent.env_vars or {}), token=token,
+                                  previous_token=parent.envd_access_token, policy=policy, operation="fork")
+                try:
+                    await nursery.start(self._run, spec)
+                    results[i] = {"sandbox": await self.db.run(lambda s: repo.get_sandbox(s, sid))}
+                except Exception as exc:
+                    log.warning("fork child %d of %s failed: %s", i, sandbox_id, exc)
+                    results[i] = {"error": {"code": 500, "message": f"{type(exc).__name__}: {exc}"}}
+
+            async with trio.open_nursery() as children:
+                for i in range(count):
+                    children.start_soon(child, i)
+            return results
+
+    async def update_network(self, sandbox_id: str, *, allow_out: Optional[list[str]],
+                             deny_out: Optional[list[str]]) -> None:
+        """E2B PUT /sandboxes/{id}/network: replace the egress policy (live slots at once)."""
+        sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
+        policy = EgressPolicy.from_e2b(allow_out, deny_out, allow_internet_access=sb.allow_internet_access)
+        handle = self.live.get(sandbox_id)
+        if handle is not None:
+            await handle.slot.apply_egress(policy)
+        stored = {k: v for k, v in (("allowOut", allow_out), ("denyOut", deny_out)) if v}
+        await self.db.run(lambda s: repo.update_sandbox(s, sandbox_id, operation="update_network",
+                                                        detail=stored, network_policy=stored))
+
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Delete a user snapshot (a template built from a running sandbox)."""
+        def work(s) -> bool:  # type: ignore[no-untyped-def]
+            t = s.get(Template, snapshot_id)
+            sn = s.get(Snapshot, snapshot_id)
+            if t is None or t.kind != "snapshot" or sn is None or sn.status != "committed":
+                return False
+            s.delete(t)
+            sn.status = "deleted"
+            repo.record_event(s, "snapshot_delete", subject="snapshot", subject_id=snapshot_id,
+                              from_state="committed", to_state="deleted")
+            return True
+
+        return await self.db.run(work)
+
+    async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
+        """The live sandbox for proxied traffic; a paused one with autoResume is resumed first."""
+        handle = self.live.get(sandbox_id)
+        if handle is not None:
+            return handle
+
+        def auto(s) -> bool:  # type: ignore[no-untyped-def]
+            sb = s.get(Sandbox, sandbox_id)
+            return sb is not None and sb.auto_resume and sb.state in (
+                SandboxState.PAUSED.value, SandboxState.RESUMING.value, SandboxState.PAUSING.value)
+
+        if await self.db.run(auto):
+            try:
+                await self.resume(sandbox_id)
+            except Exception as exc:
+                raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found ({exc})") from None
+            handle = self.live.get(sandbox_id)
+            if handle is not None:
+                return handle
+        raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
 
 
 def _which(binary: str) -> Path:

@@ -3,10 +3,14 @@
 ``run_sandbox`` is started in the sandbox manager's nursery. Until it reports
 ready it builds the sandbox up (network slot, disk image over the snapshot's
 layers with a fresh upper, NBD server, VMM restored from the snapshot, envd
-``/init``); then it waits until the sandbox is asked to stop or its VMM dies.
-Whatever ends it, it tears everything down in reverse order in shielded
-cleanup and writes the final state with its event, so after a kill no
-process, socket, namespace or upper file is left and the database says why.
+``/init``); then it waits until the sandbox is asked to stop (kill, pause) or
+its VMM dies. Whatever ends it, it tears everything down in reverse order in
+shielded cleanup and writes the final state with its event, so after a kill
+no process, socket, namespace or upper file is left and the database says
+why.
+
+Operations on a live sandbox (pause, snapshot, fork) borrow its VM and image
+through the handle under ``op_lock``; the task keeps owning them.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from typing import Any, Optional
 import trio
 
 from ..net import EgressPolicy, SlotPool
+from ..snapshot.capture import SnapshotSource
 from ..snapshot.envd import init_envd
-from ..snapshot.machine import MachineShape, open_machine
+from ..snapshot.machine import open_machine
 from ..state import Database, SandboxState
 from ..state import repository as repo
 from ..storage.image import Image
@@ -32,16 +37,16 @@ __all__ = ["SandboxSpec", "SandboxHandle", "run_sandbox"]
 
 log = logging.getLogger(__name__)
 
+S = SandboxState
+
 
 @dataclass(frozen=True)
 class SandboxSpec:
     """Everything needed to bring one sandbox up from a snapshot."""
 
     sandbox_id: str
-    shape: MachineShape
-    disk_layers: tuple[Path, ...]
+    source: SnapshotSource
     vmstate: Path
-    memory: Path
     snapshot_format: str
     env_vars: dict[str, str]
     access_token: Optional[str]
@@ -50,7 +55,7 @@ class SandboxSpec:
     policy: EgressPolicy
     workdir: Path
     run_dir: Path
-    operation: str = "create"
+    operation: str = "create"  # create | resume | fork
 
 
 @dataclass
@@ -62,11 +67,18 @@ class SandboxHandle:
     access_token: Optional[str]
     slot_index: int
     vmm_pid: int
+    source: SnapshotSource
+    vm: Any = None
+    image: Any = None
+    slot: Any = None
+    traffic_token: Optional[str] = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    op_lock: trio.Lock = field(default_factory=trio.Lock)
     stop_requested: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     stop_reason: str = "kill"
-    slot: Any = None
-    traffic_token: Optional[str] = None
+    #: Set by a pause: the snapshot the sandbox is paused in.
+    paused_snapshot_id: Optional[str] = None
 
     def request_stop(self, reason: str = "kill") -> None:
         if not self.stop_requested.is_set():
@@ -84,6 +96,7 @@ async def run_sandbox(
     task_status: trio.TaskStatus[SandboxHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     sid = spec.sandbox_id
+    src = spec.source
     t0 = time.monotonic()
     handle: SandboxHandle | None = None
     error: str | None = None
@@ -92,10 +105,10 @@ async def run_sandbox(
         slot = await pool.acquire(spec.policy)
         try:
             image = await trio.to_thread.run_sync(
-                lambda: Image.open(spec.disk_layers, spec.workdir / "upper"))
+                lambda: Image.open(src.disk_layers, spec.workdir / "upper"))
             try:
-                snapshot = SnapshotFiles(spec.vmstate, spec.memory, SnapshotFormat(spec.snapshot_format))
-                async with open_machine(driver, spec.shape, disk=image, slot=slot, workdir=spec.workdir,
+                snapshot = SnapshotFiles(spec.vmstate, src.memory, SnapshotFormat(spec.snapshot_format))
+                async with open_machine(driver, src.shape, disk=image, slot=slot, workdir=spec.workdir,
                                         run_dir=spec.run_dir, snapshot=snapshot,
                                         name=f"aenv-{sid}") as m:
                     t_restored = time.monotonic()
@@ -104,14 +117,21 @@ async def run_sandbox(
                                     previous_token=spec.previous_token,
                                     default_user=spec.default_user)
                     duration_ms = (time.monotonic() - t0) * 1000
-                    handle = SandboxHandle(sid, slot.address, spec.access_token, slot.index, m.vm.pid,
-                                           slot=slot)
+                    handle = SandboxHandle(
+                        sid, slot.address, spec.access_token, slot.index, m.vm.pid,
+                        source=SnapshotSource(
+                            snapshot_id=src.snapshot_id, memory=src.memory,
+                            memory_layers=list(src.memory_layers), memory_base=src.memory_base,
+                            shape=src.shape, template_id=src.template_id,
+                            disk_layers=list(src.disk_layers)),
+                        vm=m.vm, image=image, slot=slot, env_vars=dict(spec.env_vars))
 
                     def ready(s) -> None:  # type: ignore[no-untyped-def]
                         repo.claim_slot(s, slot.index, sid)
-                        repo.transition(s, sid, SandboxState.RUNNING, operation=spec.operation,
+                        repo.transition(s, sid, S.RUNNING, operation=spec.operation,
                                         duration_ms=duration_ms, vmm_pid=m.vm.pid,
                                         slot_index=slot.index, workdir=str(spec.workdir),
+                                        snapshot_id=src.snapshot_id,
                                         detail={"restore_ms": round((t_restored - t0) * 1000, 1)})
 
                     await db.run(ready)
@@ -145,27 +165,19 @@ async def run_sandbox(
     finally:
         with trio.CancelScope(shield=True):
             live.pop(sid, None)
-            # keep the console log of a sandbox that failed; remove everything of one that was killed
+            # keep the console log of a sandbox that failed; remove everything of one that ended
             shutil.rmtree(spec.workdir if error is None else spec.workdir / "upper", ignore_errors=True)
             shutil.rmtree(spec.run_dir, ignore_errors=True)
-            reason = handle.stop_reason if handle is not None else "create_failed"
+            reason = handle.stop_reason if handle is not None else spec.operation
+            paused_in = handle.paused_snapshot_id if handle is not None else None
 
             def final(s) -> None:  # type: ignore[no-untyped-def]
                 repo.release_slot_of(s, sid)
                 sb = s.get(repo.Sandbox, sid)
                 if sb is None:
                     return
-                current = SandboxState(sb.state)
-                if error is not None and current in (SandboxState.CREATING, SandboxState.RUNNING):
-                    repo.transition(s, sid, SandboxState.ERROR, operation=spec.operation if handle is None else reason,
-                                    error=error, vmm_pid=None, slot_index=None)
-                    return
-                if current in (SandboxState.RUNNING, SandboxState.CREATING, SandboxState.ERROR):
-                    repo.transition(s, sid, SandboxState.KILLING, operation=reason)
-                    current = SandboxState.KILLING
-                if current == SandboxState.KILLING:
-                    repo.transition(s, sid, SandboxState.KILLED, operation=reason,
-                                    duration_ms=None, vmm_pid=None, slot_index=None, error=error)
+                _record_end(s, sb, S(sb.state), reason=reason, error=error, paused_in=paused_in,
+                            operation=spec.operation)
 
             try:
                 await db.run(final)
@@ -173,6 +185,29 @@ async def run_sandbox(
                 log.exception("recording the end of sandbox %s failed", sid)
             if handle is not None:
                 handle.done.set()
+
+
+def _record_end(s: Any, sb: Any, current: SandboxState, *, reason: str, error: Optional[str],
+                paused_in: Optional[str], operation: str) -> None:
+    """The final, truthful state of a sandbox whose task ended."""
+    sid = sb.id
+    gone = {"vmm_pid": None, "slot_index": None}
+    if current == S.PAUSING and paused_in is not None:
+        repo.transition(s, sid, S.PAUSED, operation="pause", snapshot_id=paused_in, **gone)
+        return
+    if current == S.RESUMING:
+        # the paused snapshot is intact: the sandbox is still paused
+        repo.transition(s, sid, S.PAUSED, operation="resume", error=error, **gone)
+        return
+    if error is not None and current in (S.CREATING, S.RUNNING, S.PAUSING, S.SNAPSHOTTING, S.FORKING):
+        repo.transition(s, sid, S.ERROR, operation=reason if current != S.CREATING else operation,
+                        error=error, **gone)
+        return
+    if current in (S.RUNNING, S.CREATING, S.ERROR, S.PAUSING, S.SNAPSHOTTING, S.FORKING):
+        repo.transition(s, sid, S.KILLING, operation=reason)
+        current = S.KILLING
+    if current == S.KILLING:
+        repo.transition(s, sid, S.KILLED, operation=reason, error=error, **gone)
 
 
 def _only_cancelled(exc: BaseException) -> bool:

@@ -10,6 +10,7 @@ from quart import jsonify, request
 from ...runtime import Node
 from ...runtime.manager import CreateRequest, SandboxManager
 from ...state import SandboxState
+from ...state.errors import NotFound
 from ...state.repository import get_sandbox
 from ..body import field, json_body
 from ..errors import ApiError
@@ -74,7 +75,7 @@ async def create_sandbox_v2(node: Node) -> Any:
         timeout_s=timeout,
         metadata=_str_map(body, "metadata"),
         env_vars=_str_map(body, "envVars"),
-        auto_pause=body.get("autoPause", False),
+        auto_pause=body.get("autoPause", True),
         auto_resume=bool((body.get("autoResume") or {}).get("enabled", False)),
         secure=body.get("secure", True),
         allow_internet_access=body.get("allow_internet_access", True),
@@ -91,18 +92,76 @@ async def kill_sandbox(node: Node, sandboxID: str) -> Any:
     return "", 204
 
 
-async def connect_sandbox_v2(node: Node, sandboxID: str) -> Any:
-    body = await json_body({"timeout": field(int, minimum=0)})
-    sb = await node.db.run(lambda s: get_sandbox(s, sandboxID))
-    if sb.state != SandboxState.RUNNING.value:
-        raise ApiError(404, f"Paused sandbox {sandboxID} not found" if sb.state == "paused"
-                       else f"sandbox {sandboxID} is {sb.state}")
-    if "timeout" in body:
-        from .sandboxes import extend_timeout
+def _check_timeout(node: Node, timeout: int | None) -> None:
+    if timeout is not None and timeout > node.cfg.sandbox.max_timeout_s:
+        raise ApiError(400, f"timeout {timeout}s exceeds this node's maximum of "
+                            f"{node.cfg.sandbox.max_timeout_s}s")
 
-        await extend_timeout(node, sandboxID, body["timeout"])
-        sb = await node.db.run(lambda s: get_sandbox(s, sandboxID))
-    return jsonify(sandbox_json(node, sb)), 200
+
+async def connect_sandbox_v2(node: Node, sandboxID: str) -> Any:
+    """200 with the sandbox when it runs; 201 when it was paused and has been resumed."""
+    body = await json_body({"timeout": field(int, minimum=0)})
+    _check_timeout(node, body.get("timeout"))
+    try:
+        sb, resumed = await manager_of(node).resume(sandboxID, timeout_s=body.get("timeout"))
+    except NotFound:
+        raise ApiError(404, f"Paused sandbox {sandboxID} not found") from None
+    return jsonify(sandbox_json(node, sb)), 201 if resumed else 200
+
+
+async def resume_sandbox(node: Node, sandboxID: str) -> Any:
+    body = await json_body({"timeout": field(int, minimum=0), "autoPause": field(bool)})
+    _check_timeout(node, body.get("timeout"))
+    sb = await node.db.run(lambda s: get_sandbox(s, sandboxID))
+    if sb.state != SandboxState.PAUSED.value:
+        raise ApiError(409, f"sandbox {sandboxID} is {sb.state}, not paused")
+    sb, _ = await manager_of(node).resume(sandboxID, timeout_s=body.get("timeout"))
+    return jsonify(sandbox_json(node, sb)), 201
+
+
+async def pause_sandbox(node: Node, sandboxID: str) -> Any:
+    await json_body({"memory": field(bool), "requireHealthyGuest": field(bool)})
+    await manager_of(node).pause(sandboxID)
+    return "", 204
+
+
+async def create_snapshot(node: Node, sandboxID: str) -> Any:
+    body = await json_body({"name": field(str), "memory": field(bool)})
+    await node.db.run(lambda s: get_sandbox(s, sandboxID))  # 404 for an unknown sandbox
+    snapshot_id = await manager_of(node).snapshot(sandboxID, name=body.get("name"))
+    return jsonify({"snapshotID": snapshot_id,
+                    "names": [body["name"]] if body.get("name") else []}), 201
+
+
+async def delete_template(node: Node, templateID: str) -> Any:
+    if not await manager_of(node).delete_snapshot(templateID):
+        raise ApiError(404, f"snapshot {templateID} not found (only snapshots can be deleted here)")
+    return "", 204
+
+
+async def fork_sandbox(node: Node, sandboxID: str) -> Any:
+    body = await json_body({"count": field(int, minimum=1), "timeout": field(int, minimum=0)})
+    _check_timeout(node, body.get("timeout"))
+    await node.db.run(lambda s: get_sandbox(s, sandboxID))
+    results = await manager_of(node).fork(sandboxID, count=body.get("count", 1),
+                                          timeout_s=body.get("timeout"))
+    out = []
+    for r in results:
+        if "sandbox" in r:
+            out.append({"sandbox": sandbox_json(node, r["sandbox"])})
+        else:
+            out.append({"error": r["error"]})
+    return jsonify(out), 201
+
+
+async def update_sandbox_network(node: Node, sandboxID: str) -> Any:
+    body = await json_body({"allowOut": field(list), "denyOut": field(list)})
+    for key in ("allowOut", "denyOut"):
+        if key in body and not all(isinstance(x, str) for x in body[key]):
+            raise ApiError(422, f"field {key!r} must be an array of strings")
+    await manager_of(node).update_network(sandboxID, allow_out=body.get("allowOut"),
+                                          deny_out=body.get("denyOut"))
+    return "", 204
 
 
 async def get_sandbox_metrics(node: Node, sandboxID: str) -> Any:
@@ -140,5 +199,11 @@ HANDLERS = {
     "kill_sandbox": kill_sandbox,
     "connect_sandbox_v2": connect_sandbox_v2,
     "connect_sandbox": connect_sandbox_v2,
+    "resume_sandbox": resume_sandbox,
+    "pause_sandbox": pause_sandbox,
+    "create_snapshot": create_snapshot,
+    "delete_template": delete_template,
+    "fork_sandbox": fork_sandbox,
+    "update_sandbox_network": update_sandbox_network,
     "get_sandbox_metrics": get_sandbox_metrics,
 }
