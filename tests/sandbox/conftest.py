@@ -10,6 +10,7 @@ machine (``net.egress = false``).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -77,6 +78,9 @@ def _wait_template(node: NodeProcess, template: str = "base", timeout: float = 9
 def node() -> Iterator[NodeProcess]:
     state = Path(tempfile.mkdtemp(prefix="aenv-e2e-", dir="/var/tmp"))
     port = free_port()
+    # several nodes may share this host (a developer's own node, benchmarks): give this one
+    # slot addresses of its own
+    pool = f"10.11.{random.randrange(64, 250)}.0/24"
     log_path = state / "node.log"
     env = {
         **os.environ,
@@ -85,6 +89,7 @@ def node() -> Iterator[NodeProcess]:
         "AENV_NET_EGRESS": "false",
         "AENV_API_DOMAIN": DOMAIN,
         "AENV_NET_WARM_SLOTS": "2",
+        "AENV_NET_POOL_CIDR": pool,
         "AENV_SANDBOX_TTL_CHECK_INTERVAL_S": "0.5",
     }
     with open(log_path, "w") as log:

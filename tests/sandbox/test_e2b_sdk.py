@@ -120,14 +120,19 @@ def test_connect_to_running_sandbox_and_errors(sandbox, sdk_env) -> None:
     assert "not found" in str(info.value).lower()
 
 
-def test_ttl_kills_a_sandbox_past_its_end(sdk_env) -> None:
-    sb = Sandbox.create(timeout=3)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and sb.is_running():
-        time.sleep(0.5)
+def _wait_state(node, sid: str, state: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.sql(f"SELECT state FROM sandboxes WHERE id = '{sid}'") == [(state,)]:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{sid} not {state}: {node.sql(f'SELECT state FROM sandboxes WHERE id = {sid!r}')}")
+
+
+def test_ttl_kills_when_on_timeout_is_kill(sdk_env) -> None:
+    sb = Sandbox.create(timeout=3, lifecycle={"on_timeout": "kill"})
+    _wait_state(sdk_env, sb.sandbox_id, "killed")
     assert not sb.is_running()
-    rows = sdk_env.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'")
-    assert rows == [("killed",)]
     ops = [r[0] for r in sdk_env.sql(
         f"SELECT operation FROM events WHERE sandbox_id = '{sb.sandbox_id}' ORDER BY id")]
     assert "timeout" in ops

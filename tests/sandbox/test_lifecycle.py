@@ -1,0 +1,156 @@
+"""Pause to nothing, resume, snapshots, fork and restart survival, through the unmodified E2B SDK."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from .test_e2b_sdk import _wait_state
+
+pytestmark = pytest.mark.vm
+
+COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /home/user/counter; sleep 0.2; done'"
+           " >/dev/null 2>&1 &")
+
+
+def _counter(sb: Sandbox) -> int:
+    return int(sb.files.read("/home/user/counter").strip())
+
+
+def _vmm_alive(node, sid: str) -> bool:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return sid in ps
+
+
+def test_pause_then_connect_continues_with_files_and_processes(sdk_env) -> None:
+    sb = Sandbox.create()
+    try:
+        sb.commands.run(COUNTER)
+        sb.files.write("/home/user/keep.txt", "kept across pause")
+        time.sleep(1)
+        before = _counter(sb)
+        assert sb.pause() is True
+        # paused to nothing: no VMM process, no slot, a committed pause snapshot
+        assert not _vmm_alive(sdk_env, sb.sandbox_id)
+        state, snap, pid, slot = sdk_env.sql(
+            f"SELECT state, snapshot_id, vmm_pid, slot_index FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0]
+        assert (state, pid, slot) == ("paused", None, None)
+        assert sdk_env.sql(f"SELECT kind, status FROM snapshots WHERE id = '{snap}'") == [("pause", "committed")]
+        assert [s.state.value for s in Sandbox.list().next_items() if s.sandbox_id == sb.sandbox_id] == ["paused"]
+        assert sb.pause() is False  # E2B: 409 -> already paused
+
+        again = Sandbox.connect(sb.sandbox_id)
+        assert again.files.read("/home/user/keep.txt") == "kept across pause"
+        time.sleep(1)
+        after = _counter(again)
+        assert after > before  # the background process kept counting after the resume
+        # pause, resume, pause, resume keeps everything
+        again.files.write("/home/user/second.txt", "round two")
+        again.pause()
+        third = Sandbox.connect(sb.sandbox_id)
+        assert third.files.read("/home/user/second.txt") == "round two"
+        assert third.files.read("/home/user/keep.txt") == "kept across pause"
+        time.sleep(1)
+        assert _counter(third) > after
+        lineage = httpx.get(f"{sdk_env.url}/snapshots/{third.get_info().sandbox_id and snap}/lineage",
+                            headers={"X-API-KEY": sdk_env.api_key}).json()
+        assert [x["kind"] for x in lineage] == ["pause", "boot"]
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_memory_layers_are_incremental(sdk_env) -> None:
+    sb = Sandbox.create()
+    try:
+        sb.pause()
+        snap = sdk_env.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
+        rows = sdk_env.sql(
+            "SELECT l.kind, l.size_bytes, l.virtual_size_bytes FROM snapshot_layers sl "
+            f"JOIN layers l ON l.digest = sl.layer_digest WHERE sl.snapshot_id = '{snap}' AND sl.kind = 'memory'")
+        assert len(rows) == 1
+        kind, size, vsize = rows[0]
+        assert kind == "memory" and vsize == 512 * 2**20
+        assert size < vsize / 4  # only the dirtied pages, not the guest's memory
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_ttl_pauses_and_traffic_auto_resumes(sdk_env) -> None:
+    sb = Sandbox.create(timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sb.files.write("/home/user/t.txt", "before timeout")
+        _wait_state(sdk_env, sb.sandbox_id, "paused")
+        # traffic for a paused autoResume sandbox resumes it first
+        assert sb.files.read("/home/user/t.txt") == "before timeout"
+        assert sdk_env.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'") == [("running",)]
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_paused_without_auto_resume_is_not_found_for_traffic(sdk_env) -> None:
+    sb = Sandbox.create()
+    try:
+        sb.pause()
+        r = httpx.get(sdk_env.url + "/health", headers={"E2b-Sandbox-Id": sb.sandbox_id,
+                                                          "E2b-Sandbox-Port": "49983"})
+        assert r.status_code == 502 and "was not found" in r.json()["message"]
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_snapshot_then_create_from_it(sdk_env) -> None:
+    sb = Sandbox.create(envs={"FROM": "parent"})
+    try:
+        sb.files.write("/home/user/state.txt", "snapshotted")
+        snap = sb.create_snapshot()
+        sb.files.write("/home/user/state.txt", "changed after")
+        assert sb.commands.run("echo still running").stdout == "still running\n"
+        assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+        child = Sandbox.create(template=snap.snapshot_id)
+        try:
+            assert child.files.read("/home/user/state.txt") == "snapshotted"
+            assert child.commands.run("echo $FROM").stdout == "parent\n"
+        finally:
+            child.kill()
+        src = sdk_env.sql(f"SELECT source_sandbox_id, parent_id FROM snapshots WHERE id = '{snap.snapshot_id}'")
+        assert src[0][0] == sb.sandbox_id and src[0][1]
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+    finally:
+        sb.kill()
+
+
+def test_fork_children_inherit_and_diverge(sdk_env) -> None:
+    parent = Sandbox.create(envs={"ROLE": "parent"})
+    try:
+        parent.commands.run(COUNTER)
+        parent.files.write("/home/user/shared.txt", "from the parent")
+        time.sleep(1)
+        children = parent.fork(count=3)
+        assert len(children) == 3 and all(isinstance(c, Sandbox) for c in children), children
+        ids = {c.sandbox_id for c in children}
+        assert len(ids) == 3 and parent.sandbox_id not in ids
+        for i, c in enumerate(children):
+            assert c.files.read("/home/user/shared.txt") == "from the parent"
+            assert c.commands.run("echo $ROLE").stdout == "parent\n"
+            c.files.write("/home/user/mine.txt", f"child {i}")
+        time.sleep(1)
+        for i, c in enumerate(children):
+            assert c.files.read("/home/user/mine.txt") == f"child {i}"
+            assert _counter(c) > 0  # the parent's background process runs in every child
+        assert not parent.files.exists("/home/user/mine.txt")
+        assert parent.commands.run("echo parent alive").stdout == "parent alive\n"
+        rows = sdk_env.sql("SELECT parent_sandbox_id FROM sandboxes WHERE id IN (%s)"
+                           % ",".join(f"'{i}'" for i in ids))
+        assert {r[0] for r in rows} == {parent.sandbox_id}
+    finally:
+        for c in locals().get("children", []) or []:
+            if isinstance(c, Sandbox):
+                c.kill()
+        parent.kill()
