@@ -1,0 +1,101 @@
+"""Runs INSIDE a QEMU TCG guest whose kernel has ublk_drv (started by test_ublk_guest.py).
+
+Serves a FlatFileDevice through serve_ublk and drives /dev/ublkbN with ordinary block-device I/O: buffered
+writes + fsync, O_DIRECT reads, BLKDISCARD, BLKZEROOUT, comparing every result with the backing device.
+Prints ``UBLK-CHECK-OK`` on success; any failure raises (the host test sees the traceback on the console).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import random
+import struct
+import sys
+import time
+
+sys.path.insert(0, "/src")
+
+import trio  # noqa: E402
+
+from aenv_node.storage.blockdev import FlatFileDevice  # noqa: E402
+from aenv_node.storage.frontends.ublk import serve_ublk  # noqa: E402
+
+BLKGETSIZE64 = 0x80081272
+BLKDISCARD = 0x1277
+BLKZEROOUT = 0x127F
+MiB = 1 << 20
+SIZE = 32 * MiB
+
+
+def exercise(path: str, dev: FlatFileDevice) -> dict:
+    rng = random.Random(7)
+    out = {}
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = struct.unpack("<Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))[0]
+        assert size == SIZE, size
+        # the device starts with known contents written behind ublk's back, before the disk existed
+        expect = bytearray(dev.pread(0, SIZE))
+        for _ in range(64):
+            off = rng.randrange(SIZE // 4096 - 64) * 4096
+            data = os.urandom(rng.choice([4096, 65536, 256 * 1024]))
+            os.pwrite(fd, data, off)
+            expect[off : off + len(data)] = data
+        t = time.monotonic()
+        os.fsync(fd)
+        out["fsync_s"] = round(time.monotonic() - t, 3)
+        assert dev.pread(0, SIZE) == bytes(expect), "backing device differs after fsync"
+        # discard and write-zeroes reach trim / write_zeroes
+        fcntl.ioctl(fd, BLKDISCARD, struct.pack("<QQ", 1 * MiB, 1 * MiB))
+        fcntl.ioctl(fd, BLKZEROOUT, struct.pack("<QQ", 3 * MiB, 512 * 1024))
+        expect[1 * MiB : 2 * MiB] = bytes(MiB)
+        expect[3 * MiB : 3 * MiB + 512 * 1024] = bytes(512 * 1024)
+        assert dev.pread(MiB, MiB) == bytes(MiB), "discard did not zero the range"
+        assert dev.pread(3 * MiB, 512 * 1024) == bytes(512 * 1024), "write-zeroes did not zero the range"
+    finally:
+        os.close(fd)
+    # O_DIRECT reads of the whole disk (bypassing the guest page cache) equal the device
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, MiB)
+        t = time.monotonic()
+        for off in range(0, SIZE, MiB):
+            n = os.preadv(fd, [buf], off)
+            assert n == MiB
+            assert buf[:] == expect[off : off + MiB], f"O_DIRECT read differs at {off}"
+        out["direct_read_MiB_s"] = round(SIZE / MiB / (time.monotonic() - t), 1)
+    finally:
+        os.close(fd)
+    return out
+
+
+async def main() -> None:
+    os.makedirs("/tmp/u", exist_ok=True)
+    dev = FlatFileDevice("/tmp/u/backing.img", SIZE)
+    dev.pwrite(0, os.urandom(SIZE))
+    async with serve_ublk(dev, queue_depth=32) as srv:
+        path = srv.block_path
+        print("ublk device", path, "char", srv.char_path, flush=True)
+        result = await trio.to_thread.run_sync(exercise, path, dev)
+    for _ in range(500):  # the node goes away with the disk (devtmpfs may lag a moment)
+        if not os.path.exists(path):
+            break
+        time.sleep(0.01)
+    assert not os.path.exists(path), f"{path} still exists after the server stopped"
+    print(f"UBLK-CHECK-OK ios={srv.ios} {result}", flush=True)
+
+
+def diagnostics() -> None:
+    print("diag /dev:", sorted(n for n in os.listdir("/dev") if "ublk" in n), flush=True)
+    print("diag /sys/block:", sorted(os.listdir("/sys/block")), flush=True)
+    print("diag /proc/partitions:", open("/proc/partitions").read(), flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        trio.run(main)
+    except BaseException:
+        diagnostics()
+        raise
