@@ -168,6 +168,8 @@ class SandboxManager:
                     self._nursery = nursery
                     nursery.start_soon(pool.run)
                     nursery.start_soon(self._ttl_loop)
+                    if self.cfg.snapshot.periodic_interval_s > 0:
+                        nursery.start_soon(self._periodic_loop)
                     if self.build_default_template:
                         nursery.start_soon(self._ensure_default_template)
                     task_status.started()
@@ -189,6 +191,18 @@ class SandboxManager:
                     # its pause snapshot is intact: it is still paused
                     repo.transition(s, sb.id, SandboxState.PAUSED, operation="reconcile",
                                     vmm_pid=None, slot_index=None)
+                    continue
+                periodic = s.scalars(select(Snapshot).where(
+                    Snapshot.source_sandbox_id == sb.id, Snapshot.kind == "periodic",
+                    Snapshot.status == "committed").order_by(Snapshot.created_at.desc())).first()
+                if periodic is not None and current in (SandboxState.RUNNING, SandboxState.SNAPSHOTTING,
+                                                        SandboxState.FORKING, SandboxState.PAUSING):
+                    if current != SandboxState.PAUSING:
+                        repo.transition(s, sb.id, SandboxState.PAUSING, operation="reconcile")
+                    repo.transition(s, sb.id, SandboxState.PAUSED, operation="reconcile",
+                                    snapshot_id=periodic.id, vmm_pid=None, slot_index=None,
+                                    detail={"reason": "the node restarted: paused at its latest periodic "
+                                                      "snapshot", "snapshot_id": periodic.id})
                     continue
                 if current != SandboxState.KILLING:
                     repo.transition(s, sb.id, SandboxState.KILLING, operation="reconcile")
@@ -225,6 +239,75 @@ class SandboxManager:
                     self._expiring.add(sid)
                     log.info("sandbox %s reached its end: %s", sid, "pausing" if auto_pause else "killing")
                     self._nursery.start_soon(self._expire, sid, auto_pause)  # type: ignore[union-attr]
+
+    async def _periodic_loop(self) -> None:
+        """Snapshot every running sandbox each interval, keeping only its newest periodic snapshot.
+
+        After a node crash the reconciler turns a sandbox that has one into a paused sandbox
+        (at that snapshot) instead of a killed one: long trajectories lose at most one interval.
+        """
+        interval = self.cfg.snapshot.periodic_interval_s
+        while True:
+            await trio.sleep(interval)
+            for sid, handle in list(self.live.items()):
+                if handle.op_lock.locked() or handle.done.is_set():
+                    continue
+                try:
+                    async with self.node.tracker.operation("periodic_snapshot"), handle.op_lock:
+                        if handle.done.is_set():
+                            continue
+                        snap = await self._capture_live(handle, kind="periodic", name=None,
+                                                        state=SandboxState.SNAPSHOTTING,
+                                                        operation="periodic_snapshot")
+                    await self.db.run(lambda s: _retire_older_periodic(s, sid, keep=snap))
+                except Exception as exc:
+                    log.warning("periodic snapshot of %s failed: %s", sid, exc)
+
+    async def _compact_snapshot(self, snapshot_id: str) -> None:
+        """Compact a snapshot's disk chain (all but the base layer) into one layer, in the background."""
+        limit = self.cfg.snapshot.compact_after_layers
+
+        def chain(s) -> list[tuple[int, str]]:  # type: ignore[no-untyped-def]
+            rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == snapshot_id,
+                                                         SnapshotLayer.kind == "disk")
+                             .order_by(SnapshotLayer.position))
+            return [(r.position, s.get(Layer, r.layer_digest).location) for r in rows]
+
+        layers = await self.db.run(chain)
+        if len(layers) <= limit:
+            return
+        from ..storage.compact import compact_layers
+        from ..storage.layer import LayerReader
+
+        t0 = time.monotonic()
+
+        def work():  # type: ignore[no-untyped-def]
+            readers = [LayerReader.open(path) for _, path in layers[1:]]
+            try:
+                return compact_layers(readers, self.cfg.layers_dir, bottom=False,
+                                      virtual_size=max(r.virtual_size for r in readers))
+            finally:
+                for r in readers:
+                    r.close()
+
+        info = await trio.to_thread.run_sync(work)
+        digest = f"sha256:{info.digest}"
+
+        def swap(s) -> None:  # type: ignore[no-untyped-def]
+            if s.get(Layer, digest) is None:
+                s.add(Layer(digest=digest, kind="disk", size_bytes=info.file_size,
+                            virtual_size_bytes=info.virtual_size, location=str(info.path), refcount=1))
+            s.execute(delete(SnapshotLayer).where(SnapshotLayer.snapshot_id == snapshot_id,
+                                                  SnapshotLayer.kind == "disk",
+                                                  SnapshotLayer.position > 0))
+            s.flush()
+            s.add(SnapshotLayer(snapshot_id=snapshot_id, kind="disk", position=1, layer_digest=digest))
+            repo.record_event(s, "compact", subject="snapshot", subject_id=snapshot_id,
+                              duration_ms=(time.monotonic() - t0) * 1000,
+                              detail={"layers_before": len(layers), "layers_after": 2})
+
+        await self.db.run(swap)
+        log.info("compacted snapshot %s: %d disk layers -> 2", snapshot_id, len(layers))
 
     async def _expire(self, sid: str, auto_pause: bool) -> None:
         try:
@@ -452,6 +535,14 @@ class SandboxManager:
             handle.paused_snapshot_id = out.snapshot_id
             handle.request_stop(reason)
             await handle.done.wait()
+        if len(out.disk_layers) > self.cfg.snapshot.compact_after_layers and self._nursery is not None:
+            self._nursery.start_soon(self._compact_quietly, out.snapshot_id)
+
+    async def _compact_quietly(self, snapshot_id: str) -> None:
+        try:
+            await self._compact_snapshot(snapshot_id)
+        except Exception as exc:
+            log.warning("compacting snapshot %s failed: %s", snapshot_id, exc)
 
     async def _after_failed_capture(self, handle: SandboxHandle, operation: str, exc: BaseException) -> None:
         """Truthful state after a failed capture: running again if the VM runs, else error."""
@@ -646,6 +737,18 @@ class SandboxManager:
             if handle is not None:
                 return handle
         raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
+
+
+def _retire_older_periodic(s, sandbox_id: str, keep: str) -> None:  # type: ignore[no-untyped-def]
+    for sn in s.scalars(select(Snapshot).where(Snapshot.source_sandbox_id == sandbox_id,
+                                               Snapshot.kind == "periodic", Snapshot.status == "committed",
+                                               Snapshot.id != keep)):
+        in_use = s.scalars(select(Sandbox.id).where(Sandbox.snapshot_id == sn.id,
+                                                    Sandbox.state != SandboxState.KILLED.value)).first()
+        if in_use is None:
+            sn.status = "deleted"
+            repo.record_event(s, "snapshot_delete", subject="snapshot", subject_id=sn.id,
+                              from_state="committed", to_state="deleted", detail={"reason": "superseded"})
 
 
 def _which(binary: str) -> Path:

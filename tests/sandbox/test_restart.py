@@ -20,9 +20,10 @@ from .conftest import IMAGE_CACHE, NodeProcess, _wait_template
 pytestmark = pytest.mark.vm
 
 
-def _start(state: Path, port: int, pool: str) -> NodeProcess:
+def _start(state: Path, port: int, pool: str, **extra_env: str) -> NodeProcess:
     env = {**os.environ, "AENV_STATE_DIR": str(state), "AENV_IMAGES_CACHE_DIR": IMAGE_CACHE,
-           "AENV_NET_EGRESS": "false", "AENV_NET_POOL_CIDR": pool, "AENV_NET_WARM_SLOTS": "1"}
+           "AENV_NET_EGRESS": "false", "AENV_NET_POOL_CIDR": pool, "AENV_NET_WARM_SLOTS": "1",
+           **extra_env}
     log_path = state / f"node-{time.monotonic_ns()}.log"
     state.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -75,6 +76,49 @@ def test_paused_sandbox_survives_kill_9_and_resumes(tmp_path: Path, monkeypatch:
         back = Sandbox.connect(paused.sandbox_id)
         assert back.files.read("/home/user/durable.txt") == "survives kill -9"
         assert back.commands.run("echo alive").stdout == "alive\n"
+        back.kill()
+    finally:
+        node.proc.send_signal(signal.SIGTERM)
+        try:
+            node.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+        import shutil
+
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_periodic_snapshot_turns_a_crash_into_a_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = Path("/var/tmp") / f"aenv-periodic-{os.getpid()}-{random.randrange(10**6)}"
+    pool = f"10.11.{random.randrange(64, 250)}.0/24"
+    port = free_port()
+    node = _start(state, port, pool, AENV_SNAPSHOT_PERIODIC_INTERVAL_S="2")
+    try:
+        for k, v in node.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        sb = Sandbox.create()
+        sb.files.write("/home/user/progress.txt", "step 41")
+        deadline = time.monotonic() + 60
+        count = lambda: node.sql(  # noqa: E731
+            f"SELECT count(*) FROM snapshots WHERE source_sandbox_id = '{sb.sandbox_id}' "
+            "AND kind = 'periodic' AND status = 'committed'")[0][0]
+        first = node.sql(f"SELECT count(*) FROM events WHERE sandbox_id = '{sb.sandbox_id}' "
+                         "AND operation = 'snapshot_commit'")[0][0]
+        while time.monotonic() < deadline:
+            done = node.sql(f"SELECT count(*) FROM events WHERE sandbox_id = '{sb.sandbox_id}' "
+                            "AND operation = 'snapshot_commit'")[0][0]
+            if done >= first + 2:  # a periodic snapshot taken after the write above
+                break
+            time.sleep(0.5)
+        assert count() == 1  # older periodic snapshots are retired
+        assert sb.commands.run("echo still running").stdout == "still running\n"
+
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait()
+        node = _start(state, port, pool)
+        assert node.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'") == [("paused",)]
+        back = Sandbox.connect(sb.sandbox_id)
+        assert back.files.read("/home/user/progress.txt") == "step 41"
         back.kill()
     finally:
         node.proc.send_signal(signal.SIGTERM)
