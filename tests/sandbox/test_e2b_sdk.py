@@ -159,3 +159,21 @@ def test_concurrent_creates(sdk_env) -> None:
         s.kill()
     assert not errors and len(made) == 3
     assert len({s.sandbox_id for s in made}) == 3
+
+
+def test_metrics_and_network_policy_update(sandbox, sdk_env) -> None:
+    metrics = sandbox.get_metrics()
+    assert metrics and metrics[-1].mem_total > 256 * 2**20 and metrics[-1].cpu_count >= 1
+    assert 0 < metrics[-1].disk_used < metrics[-1].disk_total
+    with sdk_env.api() as api:
+        r = api.put(f"/sandboxes/{sandbox.sandbox_id}/network",
+                    json={"allowOut": ["198.18.0.0/24"], "denyOut": ["0.0.0.0/0"]})
+        assert r.status_code == 204, r.text
+        assert api.get(f"/sandboxes/{sandbox.sandbox_id}").json()["network"] == \
+            {"allowOut": ["198.18.0.0/24"], "denyOut": ["0.0.0.0/0"]}
+        r = api.put(f"/sandboxes/{sandbox.sandbox_id}/network", json={"denyOut": ["not-an-address!"]})
+        assert r.status_code == 400 and r.json()["code"] == 400
+        r = api.put("/sandboxes/inope/network", json={"denyOut": ["0.0.0.0/0"]})
+        assert r.status_code == 404
+    # the sandbox still works after a policy change
+    assert sandbox.commands.run("echo ok").stdout == "ok\n"
