@@ -33,11 +33,15 @@ from ..net import (
     teardown_host_networking,
 )
 from ..snapshot.capture import SnapshotSource, capture_running
+from ..snapshot.persist import REPO_PREFIX, import_sandbox, publish_snapshot
 from ..snapshot.machine import MachineShape
 from ..snapshot.templates import TemplateSource, build_template
 from ..state import Database, NetworkSlot, Sandbox, SandboxState, Snapshot, SnapshotLayer, Template, utcnow
 from ..state import repository as repo
 from ..state.models import Layer
+from ..storage.cache import LayerCache, run_janitor
+from ..storage.cache_store import CacheStore
+from ..storage.repository import open_repository
 from ..vmm import Accel, make_driver
 from .errors import RuntimeLayerError
 from .node import Node
@@ -154,6 +158,13 @@ class SandboxManager:
                              tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb)
         self.driver = choice.driver
         self.accel = choice.accel
+        st = cfg.storage
+        if st.repository == "s3":
+            self.repo = open_repository("s3", endpoint_url=st.s3_endpoint, bucket=st.s3_bucket,
+                                        region=st.s3_region, prefix=st.s3_prefix)
+        else:
+            self.repo = open_repository("posix_fs", path=str(cfg.repository_path))
+        self.cache: LayerCache | None = None
         log.info("VMM %s with %s (%s)", choice.driver.name, choice.accel.value, choice.info.reason)
 
     # -- service -------------------------------------------------------------------------------
@@ -161,12 +172,19 @@ class SandboxManager:
         await ensure_host_networking(self.netcfg)
         try:
             await self._reconcile()
+            st = self.cfg.storage
+            cache = await trio.to_thread.run_sync(lambda: LayerCache(
+                self.cfg.cache_dir, self.repo, capacity_bytes=st.cache_capacity_bytes,
+                high_watermark=st.cache_high_watermark, low_watermark=st.cache_low_watermark,
+                store=CacheStore(self.db)))
+            self.cache = cache
             async with SlotPool(self.netcfg, DbIndexAllocator(self.db, self.netcfg),
                                 size=self.cfg.net.warm_slots) as pool:
                 self.pool = pool
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     nursery.start_soon(pool.run)
+                    nursery.start_soon(run_janitor, cache)
                     nursery.start_soon(self._ttl_loop)
                     if self.cfg.snapshot.periodic_interval_s > 0:
                         nursery.start_soon(self._periodic_loop)
@@ -177,6 +195,9 @@ class SandboxManager:
         finally:
             with trio.CancelScope(shield=True):
                 self._nursery = None
+                if self.cache is not None:
+                    await trio.to_thread.run_sync(self.cache.close)
+                await trio.to_thread.run_sync(self.repo.close)
                 await teardown_host_networking(self.netcfg)
 
     async def _reconcile(self) -> None:
@@ -406,7 +427,10 @@ class SandboxManager:
             rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == sn.id,
                                                          SnapshotLayer.kind == "disk")
                              .order_by(SnapshotLayer.position))
-            layers = [Path(s.get(Layer, r.layer_digest).location) for r in rows]
+            layers = []
+            for r in rows:
+                loc = s.get(Layer, r.layer_digest).location
+                layers.append(loc if loc.startswith(REPO_PREFIX) else Path(loc))
             return sn, layers
 
         found = await self.db.run(work)
@@ -414,13 +438,36 @@ class SandboxManager:
             raise TemplateNotFound(f"snapshot {snapshot_id} not found")
         sn, layers = found
         cfg = sn.config or {}
+        if cfg.get("memory_from_layers") and not Path(cfg["memory"]).exists():
+            await self._materialize_memory(cfg["memory_layers"], Path(cfg["memory"]))
         source = SnapshotSource(
             snapshot_id=sn.id, memory=Path(cfg["memory"]),
             memory_layers=list(cfg.get("memory_layers") or []),
-            memory_base=cfg.get("memory_base") or cfg["memory"],
+            memory_base=cfg.get("memory_base", cfg["memory"]),
             shape=MachineShape.from_json(cfg["shape"]), template_id=sn.template_id or "",
             disk_layers=layers)
         return source, sn
+
+    async def _materialize_memory(self, digests: list[str], dest: Path) -> None:
+        """A memory image from layers in the repository, fetched through the local cache."""
+        from ..storage.layer import LayerReader
+        from ..storage.materialize import materialize
+
+        assert self.cache is not None
+        cache = self.cache
+        t0 = time.monotonic()
+
+        def work() -> None:
+            readers = [LayerReader(cache.source(d), digest=d.split(":", 1)[1]) for d in digests]
+            try:
+                materialize(readers, dest)
+            finally:
+                for r in readers:
+                    r.close()
+
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        await trio.to_thread.run_sync(work)
+        log.info("materialized %s from %d memory layers in %.2fs", dest, len(digests), time.monotonic() - t0)
 
     def _spec(self, sid: str, source: SnapshotSource, sn: Snapshot, *, env_vars: dict[str, str],
               token: str, previous_token: Optional[str], policy: EgressPolicy, operation: str) -> SandboxSpec:
@@ -471,7 +518,7 @@ class SandboxManager:
         assert self.pool is not None
         try:
             await run_sandbox(spec, db=self.db, driver=self.driver, pool=self.pool, live=self.live,
-                              task_status=task_status)
+                              cache=self.cache, task_status=task_status)
         finally:
             with trio.CancelScope(shield=True):
                 for hook in self.stopped_hooks:
@@ -535,8 +582,18 @@ class SandboxManager:
             handle.paused_snapshot_id = out.snapshot_id
             handle.request_stop(reason)
             await handle.done.wait()
-        if len(out.disk_layers) > self.cfg.snapshot.compact_after_layers and self._nursery is not None:
-            self._nursery.start_soon(self._compact_quietly, out.snapshot_id)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._publish_quietly, out.snapshot_id, sandbox_id)
+            if len(out.disk_layers) > self.cfg.snapshot.compact_after_layers:
+                self._nursery.start_soon(self._compact_quietly, out.snapshot_id)
+
+    async def _publish_quietly(self, snapshot_id: str, sandbox_id: str) -> None:
+        """Commit a pause snapshot to the repository (in the background: the pause has returned)."""
+        try:
+            summary = await publish_snapshot(self.db, self.repo, self.cfg.layers_dir, snapshot_id, sandbox_id)
+            log.info("published snapshot %s of %s: %s", snapshot_id, sandbox_id, summary)
+        except Exception as exc:
+            log.warning("publishing snapshot %s failed: %s", snapshot_id, exc)
 
     async def _compact_quietly(self, snapshot_id: str) -> None:
         try:
@@ -566,6 +623,11 @@ class SandboxManager:
         async with self.node.tracker.operation("resume"):
             lock = self._resume_locks.setdefault(sandbox_id, trio.Lock())
             async with lock:
+                known = await self.db.run(lambda s: s.get(Sandbox, sandbox_id) is not None)
+                if not known:
+                    # paused on another node sharing the repository?
+                    await import_sandbox(self.db, self.repo, self.cfg.templates_dir, sandbox_id,
+                                         self.node.node_id)
                 sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
                 if sb.state == SandboxState.RUNNING.value and sandbox_id in self.live:
                     if timeout_s is not None:

@@ -93,6 +93,7 @@ async def run_sandbox(
     driver: VmmDriver,
     pool: SlotPool,
     live: dict[str, SandboxHandle],
+    cache: Any = None,
     task_status: trio.TaskStatus[SandboxHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     sid = spec.sandbox_id
@@ -105,7 +106,7 @@ async def run_sandbox(
         slot = await pool.acquire(spec.policy)
         try:
             image = await trio.to_thread.run_sync(
-                lambda: Image.open(src.disk_layers, spec.workdir / "upper"))
+                lambda: open_disk(src.disk_layers, spec.workdir / "upper", cache))
             try:
                 snapshot = SnapshotFiles(spec.vmstate, src.memory, SnapshotFormat(spec.snapshot_format))
                 async with open_machine(driver, src.shape, disk=image, slot=slot, workdir=spec.workdir,
@@ -185,6 +186,30 @@ async def run_sandbox(
                 log.exception("recording the end of sandbox %s failed", sid)
             if handle is not None:
                 handle.done.set()
+
+
+def open_disk(layers: list[Any], upper_dir: Path, cache: Any) -> Image:
+    """The sandbox's disk: its snapshot's layers (local files, or ``repo:<digest>`` read on demand
+    through the layer cache) with a fresh writable upper."""
+    if not any(isinstance(l, str) for l in layers):
+        return Image.open(layers, upper_dir)
+    from ..storage.layer import LayerReader
+    from ..storage.upper import Upper
+
+    readers: list[Any] = []
+    try:
+        for l in layers:
+            if isinstance(l, str):
+                digest = l.split(":", 1)[1] if l.startswith("repo:") else l
+                readers.append(LayerReader(cache.source(digest), digest=digest.split(":", 1)[1]))
+            else:
+                readers.append(LayerReader.open(l))
+        size = readers[-1].virtual_size
+        return Image(readers, Upper(upper_dir, size), size=size, own_layers=True)
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
 
 
 def _record_end(s: Any, sb: Any, current: SandboxState, *, reason: str, error: Optional[str],

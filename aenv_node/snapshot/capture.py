@@ -123,7 +123,7 @@ async def capture_running(
             return layer
 
         mem_layer = await trio.to_thread.run_sync(memory_work)
-        disk_layers = tuple(source.disk_layers) + (Path(sealed.path),)
+        disk_layers = tuple(source.disk_layers) + (Path(sealed.path),)  # entries: Path or "repo:<digest>"
 
         def commit(s) -> None:  # type: ignore[no-untyped-def]
             for info, lkind in ((sealed, "disk"), (mem_layer, "memory")):
@@ -149,7 +149,10 @@ async def capture_running(
             ))
             s.flush()
             for pos, path in enumerate(disk_layers):
-                digest = "sha256:" + Path(path).name.split(".")[0]
+                if isinstance(path, str) and path.startswith("repo:"):
+                    digest = path[len("repo:"):]  # recorded when the snapshot was imported
+                else:
+                    digest = "sha256:" + Path(path).name.split(".")[0]
                 if s.get(Layer, digest) is None:  # layers from before this node recorded them
                     s.add(Layer(digest=digest, kind="disk", size_bytes=Path(path).stat().st_size,
                                 location=str(path), refcount=0))

@@ -129,3 +129,54 @@ def test_periodic_snapshot_turns_a_crash_into_a_pause(monkeypatch: pytest.Monkey
         import shutil
 
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_second_node_resumes_a_sandbox_paused_on_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two node processes with their own state directories share a posix_fs repository: a sandbox paused
+    on the first resumes on the second (cold local cache, layers fetched on demand)."""
+    import shutil
+
+    tag = f"{os.getpid()}-{random.randrange(10**6)}"
+    repo = Path("/var/tmp") / f"aenv-shared-repo-{tag}"
+    states = [Path("/var/tmp") / f"aenv-node{i}-{tag}" for i in (1, 2)]
+    pools = [f"10.11.{n}.0/24" for n in random.sample(range(64, 250), 2)]
+    nodes = []
+    try:
+        first = _start(states[0], free_port(), pools[0], AENV_STORAGE_REPOSITORY_PATH=str(repo))
+        nodes.append(first)
+        for k, v in first.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        sb = Sandbox.create(metadata={"origin": "node1"})
+        sb.files.write("/home/user/travels.txt", "paused on node 1")
+        sb.pause()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not first.sql(
+                f"SELECT 1 FROM events WHERE sandbox_id = '{sb.sandbox_id}' AND operation = 'snapshot_publish'"):
+            time.sleep(0.5)
+        assert first.sql(f"SELECT count(*) FROM events WHERE sandbox_id = '{sb.sandbox_id}' "
+                         "AND operation = 'snapshot_publish'")[0][0] == 1, first.log()[-2000:]
+        first.proc.send_signal(signal.SIGTERM)
+        first.proc.wait(timeout=60)
+
+        second = _start(states[1], free_port(), pools[1], AENV_STORAGE_REPOSITORY_PATH=str(repo))
+        nodes.append(second)
+        for k, v in second.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        assert second.sql(f"SELECT count(*) FROM sandboxes WHERE id = '{sb.sandbox_id}'") == [(0,)]
+        back = Sandbox.connect(sb.sandbox_id)
+        assert back.files.read("/home/user/travels.txt") == "paused on node 1"
+        assert back.commands.run("echo on node 2").stdout == "on node 2\n"
+        assert back.get_info().metadata == {"origin": "node1"}
+        fetched = second.sql("SELECT sum(fetched_bytes), sum(misses) FROM cache_entries")[0]
+        back.kill()
+        assert fetched[1] and fetched[1] > 0  # layers came through the cache, on demand
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGTERM)
+                try:
+                    n.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    n.proc.kill()
+        for d in [repo, *states]:
+            shutil.rmtree(d, ignore_errors=True)
