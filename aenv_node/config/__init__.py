@@ -86,6 +86,7 @@ class VmmSection:
     use_jailer: bool = False
     tcg_tb_size_mb: int = 64
     guest_kernel: str = ""
+    ksm: bool = False
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class SandboxManager:
         choice = make_driver(cfg.vmm.kind, accel_override=cfg.vmm.accel,
                              qemu_binary=_which(cfg.vmm.qemu_binary),
                              firecracker_binary=Path(cfg.vmm.firecracker_binary),
-                             tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb)
+                             tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb, qemu_mem_merge=cfg.vmm.ksm)
         self.driver = choice.driver
         self.accel = choice.accel
         st = cfg.storage
@@ -169,6 +169,8 @@ class SandboxManager:
 
     # -- service -------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.cfg.vmm.ksm:
+            await trio.to_thread.run_sync(Path("/sys/kernel/mm/ksm/run").write_text, "1")
         await ensure_host_networking(self.netcfg)
         try:
             await self._reconcile()
