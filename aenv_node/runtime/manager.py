@@ -531,6 +531,22 @@ class SandboxManager:
 
     async def kill(self, sandbox_id: str, *, reason: str = "kill") -> bool:
         """Kill a sandbox; False if it does not exist (or is already killed)."""
+        killed = await self._kill(sandbox_id, reason=reason)
+        if killed:
+            # another node sharing the repository must not resume it any more
+            await trio.to_thread.run_sync(self._forget_published, sandbox_id)
+        return killed
+
+    def _forget_published(self, sandbox_id: str) -> None:
+        from ..snapshot.persist import sandbox_manifest_id
+
+        try:
+            if self.repo.has_manifest(sandbox_manifest_id(sandbox_id)):
+                self.repo.delete_manifest(sandbox_manifest_id(sandbox_id))
+        except Exception as exc:
+            log.warning("removing the published pointer of %s failed: %s", sandbox_id, exc)
+
+    async def _kill(self, sandbox_id: str, *, reason: str) -> bool:
         handle = self.live.get(sandbox_id)
         if handle is None:
             def work(s) -> bool:  # type: ignore[no-untyped-def]
