@@ -20,6 +20,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_pool_cidr() -> str:
+    """A /24 for a test node's network slots that nothing on this host routes yet."""
+    import ipaddress
+    import json
+    import random
+    import subprocess
+
+    routes = json.loads(subprocess.run(["ip", "-j", "-4", "route", "show"], capture_output=True,
+                                       text=True, check=True).stdout or "[]")
+    used = [ipaddress.ip_network(r["dst"], strict=False) for r in routes
+            if r.get("dst") not in (None, "", "default")]
+    for _ in range(200):
+        cand = ipaddress.ip_network(f"10.11.{random.randrange(64, 250)}.0/24")
+        if not any(cand.overlaps(u) for u in used):
+            return str(cand)
+    raise RuntimeError("no free /24 in 10.11.64.0-10.11.249.255 for a test node")
+
+
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Path:
     d = tmp_path / "state"

@@ -81,6 +81,10 @@ class SandboxConflict(RuntimeLayerError):
     http_status = 409
 
 
+class PoolInUse(RuntimeLayerError):
+    """The configured slot range is already routed on this host."""
+
+
 class ForkLimit(RuntimeLayerError):
     http_status = 400
 
@@ -171,6 +175,8 @@ class SandboxManager:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self.cfg.vmm.ksm:
             await trio.to_thread.run_sync(Path("/sys/kernel/mm/ksm/run").write_text, "1")
+        await remove_orphans(self.netcfg)
+        await self._check_pool_is_free()
         await ensure_host_networking(self.netcfg)
         try:
             await self._reconcile()
@@ -201,6 +207,28 @@ class SandboxManager:
                     await trio.to_thread.run_sync(self.cache.close)
                 await trio.to_thread.run_sync(self.repo.close)
                 await teardown_host_networking(self.netcfg)
+
+    async def _check_pool_is_free(self) -> None:
+        """Refuse to start when another node (or anything else) routes part of our slot range: the
+        host would send this node's guest traffic into the other's namespaces."""
+        import ipaddress
+        import json as _json
+
+        out = await trio.run_process(["ip", "-j", "-4", "route", "show"], capture_stdout=True)
+        pool = self.netcfg.pool
+        ours = self.netcfg.host_veth_prefix
+        for route in _json.loads(out.stdout or b"[]"):
+            dst = route.get("dst", "")
+            if dst in ("", "default"):
+                continue
+            try:
+                net = ipaddress.ip_network(dst, strict=False)
+            except ValueError:
+                continue
+            if net.overlaps(pool) and not str(route.get("dev", "")).startswith(ours):
+                raise PoolInUse(
+                    f"net.pool_cidr {pool} overlaps {dst} (dev {route.get('dev')}), already routed on this "
+                    "host (another node?): give this node its own pool_cidr")
 
     async def _reconcile(self) -> None:
         """Nothing orphaned, nothing reported running that is not (this node's previous run)."""

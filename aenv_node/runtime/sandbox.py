@@ -159,10 +159,13 @@ async def run_sandbox(
         if _only_cancelled(exc):
             if handle is not None and not handle.stop_requested.is_set():
                 handle.stop_reason = "node_shutdown"
-        else:
-            error = _describe(exc)
-            log.warning("sandbox %s failed: %s", sid, error)
-        raise
+            raise
+        error = _describe(exc)
+        log.warning("sandbox %s failed: %s", sid, error)
+        if handle is None:
+            raise  # not started yet: the caller of nursery.start gets the error
+        # started: the error is this sandbox's alone (recorded below); it must not take down the
+        # manager's nursery and with it every other sandbox
     finally:
         with trio.CancelScope(shield=True):
             live.pop(sid, None)

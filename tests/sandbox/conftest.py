@@ -10,7 +10,6 @@ machine (``net.egress = false``).
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from ..conftest import free_port
+from ..conftest import free_pool_cidr, free_port
 
 IMAGE_CACHE = os.environ.get("AENV_TEST_IMAGE_CACHE", "/var/lib/aenv")
 DOMAIN = "aenv.test"
@@ -80,7 +79,7 @@ def node() -> Iterator[NodeProcess]:
     port = free_port()
     # several nodes may share this host (a developer's own node, benchmarks): give this one
     # slot addresses of its own
-    pool = f"10.11.{random.randrange(64, 250)}.0/24"
+    pool = free_pool_cidr()
     log_path = state / "node.log"
     env = {
         **os.environ,
@@ -120,6 +119,11 @@ def node() -> Iterator[NodeProcess]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        keep = Path("/var/tmp") / "aenv-e2e-last-node.log"
+        try:
+            shutil.copy(log_path, keep)  # for post-mortems: the state directory goes away
+        except OSError:
+            pass
         shutil.rmtree(state, ignore_errors=True)
 
 

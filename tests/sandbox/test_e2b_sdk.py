@@ -51,14 +51,17 @@ def test_commands_foreground_env_user_and_exit_codes(sandbox) -> None:
 def test_background_stdin_list_and_kill(sandbox) -> None:
     h = sandbox.commands.run("cat", background=True, stdin=True)
     sandbox.commands.send_stdin(h.pid, "through stdin\n")
-    pids = [p.pid for p in sandbox.commands.list()]
-    assert h.pid in pids
-    time.sleep(0.5)
-    assert sandbox.commands.kill(h.pid) is True
+    assert h.pid in [p.pid for p in sandbox.commands.list()]
+    sandbox.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "through stdin\n"
+    sleeper = sandbox.commands.run("sleep 600", background=True)
+    assert sleeper.pid in [p.pid for p in sandbox.commands.list()]
+    assert sandbox.commands.kill(sleeper.pid) is True
     with pytest.raises(CommandExitException) as info:
-        h.wait()
-    assert "through stdin" in info.value.stdout
-    assert h.pid not in [p.pid for p in sandbox.commands.list()]
+        sleeper.wait()
+    assert info.value.exit_code == -1 and "killed" in (info.value.error or "")
+    assert sandbox.commands.kill(sleeper.pid) is False
+    assert sleeper.pid not in [p.pid for p in sandbox.commands.list()]
     counter = sandbox.commands.run("for i in $(seq 1 3); do echo tick $i; sleep 0.2; done", background=True)
     out = counter.wait()
     assert out.stdout.splitlines() == ["tick 1", "tick 2", "tick 3"]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from ..conftest import free_port
+from ..conftest import free_pool_cidr, free_port
 from .conftest import IMAGE_CACHE, NodeProcess, _wait_template
 
 pytestmark = pytest.mark.vm
@@ -47,7 +47,7 @@ def _start(state: Path, port: int, pool: str, **extra_env: str) -> NodeProcess:
 
 def test_paused_sandbox_survives_kill_9_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = Path("/var/tmp") / f"aenv-restart-{os.getpid()}-{random.randrange(10**6)}"
-    pool = f"10.11.{random.randrange(64, 250)}.0/24"
+    pool = free_pool_cidr()
     port = free_port()
     node = _start(state, port, pool)
     try:
@@ -90,7 +90,7 @@ def test_paused_sandbox_survives_kill_9_and_resumes(tmp_path: Path, monkeypatch:
 
 def test_periodic_snapshot_turns_a_crash_into_a_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     state = Path("/var/tmp") / f"aenv-periodic-{os.getpid()}-{random.randrange(10**6)}"
-    pool = f"10.11.{random.randrange(64, 250)}.0/24"
+    pool = free_pool_cidr()
     port = free_port()
     node = _start(state, port, pool, AENV_SNAPSHOT_PERIODIC_INTERVAL_S="2")
     try:
@@ -139,7 +139,11 @@ def test_second_node_resumes_a_sandbox_paused_on_the_first(monkeypatch: pytest.M
     tag = f"{os.getpid()}-{random.randrange(10**6)}"
     repo = Path("/var/tmp") / f"aenv-shared-repo-{tag}"
     states = [Path("/var/tmp") / f"aenv-node{i}-{tag}" for i in (1, 2)]
-    pools = [f"10.11.{n}.0/24" for n in random.sample(range(64, 250), 2)]
+    pools = [free_pool_cidr()]
+    while len(pools) < 2:
+        cand = free_pool_cidr()
+        if cand not in pools:
+            pools.append(cand)
     nodes = []
     try:
         first = _start(states[0], free_port(), pools[0], AENV_STORAGE_REPOSITORY_PATH=str(repo))
