@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 

@@ -85,6 +85,7 @@ class VmmSection:
     jailer_binary: str = "/opt/aenv/bin/jailer"
     use_jailer: bool = False
     tcg_tb_size_mb: int = 64
+    tcg_tb_size_restore_mb: int = 16
     guest_kernel: str = ""
     ksm: bool = False
 

@@ -102,8 +102,14 @@ class DbIndexAllocator:
     def __init__(self, db: Database, netcfg: NetworkConfig) -> None:
         self.db = db
         self.netcfg = netcfg
+        # the pool's refiller and acquire() may allocate at once: read-then-insert must not interleave
+        self._lock = trio.Lock()
 
     async def allocate(self) -> int:
+        async with self._lock:
+            return await self._allocate()
+
+    async def _allocate(self) -> int:
         def work(s) -> int:  # type: ignore[no-untyped-def]
             used = set(s.scalars(select(NetworkSlot.slot_index)))
             for i in range(self.netcfg.capacity):
@@ -159,7 +165,8 @@ class SandboxManager:
         choice = make_driver(cfg.vmm.kind, accel_override=cfg.vmm.accel,
                              qemu_binary=_which(cfg.vmm.qemu_binary),
                              firecracker_binary=Path(cfg.vmm.firecracker_binary),
-                             tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb, qemu_mem_merge=cfg.vmm.ksm)
+                             tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb, qemu_mem_merge=cfg.vmm.ksm,
+                             tcg_restore_tb_size_mib=cfg.vmm.tcg_tb_size_restore_mb)
         self.driver = choice.driver
         self.accel = choice.accel
         st = cfg.storage
@@ -191,7 +198,7 @@ class SandboxManager:
                 self.pool = pool
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
-                    nursery.start_soon(pool.run)
+                    nursery.start_soon(self._keep_pool_filled, pool)
                     nursery.start_soon(run_janitor, cache)
                     nursery.start_soon(self._ttl_loop)
                     if self.cfg.snapshot.periodic_interval_s > 0:
@@ -207,6 +214,17 @@ class SandboxManager:
                     await trio.to_thread.run_sync(self.cache.close)
                 await trio.to_thread.run_sync(self.repo.close)
                 await teardown_host_networking(self.netcfg)
+
+    async def _keep_pool_filled(self, pool: SlotPool) -> None:
+        """The pool's refiller; an unexpected error is logged and the refiller restarted, never
+        allowed to take down the manager (and every sandbox with it)."""
+        while True:
+            try:
+                await pool.run()
+                return
+            except Exception:
+                log.exception("the network slot refiller failed; restarting it")
+                await trio.sleep(1)
 
     async def _check_pool_is_free(self) -> None:
         """Refuse to start when another node (or anything else) routes part of our slot range: the

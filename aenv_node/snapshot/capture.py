@@ -41,7 +41,7 @@ from ..storage.layer import LayerInfo, LayerWriter
 from ..vmm import CaptureKind, MemoryRange, Vm, VmState
 from ..vmm import memfile
 from .machine import MachineShape
-from .templates import layer_digest, new_id
+from .templates import layer_digest, new_id, reference_layer
 
 __all__ = ["SnapshotSource", "CaptureOutcome", "capture_running"]
 
@@ -126,14 +126,8 @@ async def capture_running(
         disk_layers = tuple(source.disk_layers) + (Path(sealed.path),)  # entries: Path or "repo:<digest>"
 
         def commit(s) -> None:  # type: ignore[no-untyped-def]
-            for info, lkind in ((sealed, "disk"), (mem_layer, "memory")):
-                row = s.get(Layer, layer_digest(info))
-                if row is None:
-                    row = Layer(digest=layer_digest(info), kind=lkind, size_bytes=info.file_size,
-                                virtual_size_bytes=info.virtual_size, location=str(info.path),
-                                refcount=0)
-                    s.add(row)
-                row.refcount += 1
+            reference_layer(s, sealed, "disk")
+            reference_layer(s, mem_layer, "memory")
             s.add(Snapshot(
                 id=snapshot_id, kind=kind, status="committed", name=name,
                 parent_id=source.snapshot_id, source_sandbox_id=sandbox_id,

@@ -56,6 +56,7 @@ async def init_envd(
     default_user: str | None = None,
     default_workdir: str | None = None,
     timeout: float = 30.0,
+    connect_grace_s: float = 10.0,
 ) -> None:
     body: dict[str, object] = {
         "envVars": dict(env_vars),
@@ -69,9 +70,19 @@ async def init_envd(
         body["defaultWorkdir"] = default_workdir
     headers = {"X-Access-Token": previous_token} if previous_token else {}
     async with httpx.AsyncClient(timeout=timeout) as client:
-        try:
-            r = await client.post(_url(host, "/init"), json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            raise EnvdUnavailable(f"envd /init at {host} failed: {exc}") from exc
+        # right after a restore the guest may need a moment to answer on its (re-attached) NIC
+        delay = 0.05
+        deadline = trio.current_time() + connect_grace_s
+        while True:
+            try:
+                r = await client.post(_url(host, "/init"), json=body, headers=headers)
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if trio.current_time() + delay > deadline:
+                    raise EnvdUnavailable(f"envd /init at {host} failed: {exc}") from exc
+                await trio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except httpx.HTTPError as exc:
+                raise EnvdUnavailable(f"envd /init at {host} failed: {exc}") from exc
     if r.status_code >= 300:
         raise EnvdUnavailable(f"envd /init at {host} answered {r.status_code}: {r.text[:200]}")

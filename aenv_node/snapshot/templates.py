@@ -35,7 +35,7 @@ from ..vmm import CaptureKind, VmmDriver
 from .envd import wait_envd
 from .machine import MachineShape, open_machine
 
-__all__ = ["TemplateSource", "BuildResult", "build_template", "new_id"]
+__all__ = ["TemplateSource", "BuildResult", "build_template", "new_id", "layer_digest", "reference_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,17 @@ log = logging.getLogger(__name__)
 def layer_digest(info: "LayerInfo") -> str:
     """The digest as the database and repositories name it."""
     return f"sha256:{info.digest}"
+
+
+def reference_layer(s, info: "LayerInfo", kind: str) -> Layer:  # type: ignore[no-untyped-def]
+    """Record a layer file (once) and count one more snapshot referencing it."""
+    row = s.get(Layer, layer_digest(info))
+    if row is None:
+        row = Layer(digest=layer_digest(info), kind=kind, size_bytes=info.file_size,
+                    virtual_size_bytes=info.virtual_size, location=str(info.path), refcount=0)
+        s.add(row)
+    row.refcount += 1
+    return row
 
 
 def new_id(prefix: str) -> str:
@@ -145,14 +156,8 @@ async def build_template(
         image = None
 
         def commit(s) -> None:  # type: ignore[no-untyped-def]
-            for info, kind in ((base, "disk"), (sealed, "disk")):
-                row = s.get(Layer, layer_digest(info))
-                if row is None:
-                    row = Layer(digest=layer_digest(info), kind=kind, size_bytes=info.file_size,
-                                virtual_size_bytes=info.virtual_size, location=str(info.path),
-                                refcount=0)
-                    s.add(row)
-                row.refcount += 1
+            for info in (base, sealed):
+                reference_layer(s, info, "disk")
             s.add(Snapshot(
                 id=snapshot_id, kind="boot", status="committed", template_id=template_id,
                 vmm=capture.vmm, vmstate_location=str(capture.vmstate),

@@ -12,7 +12,6 @@ SQLite never sees more writers than it can serialise.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar

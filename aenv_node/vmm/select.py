@@ -37,6 +37,7 @@ def make_driver(
     qemu_cpu_model: str | None = None,
     track_dirty_pages: bool = True,
     qemu_mem_merge: bool = False,
+    tcg_restore_tb_size_mib: int | None = None,
 ) -> DriverChoice:
     """kind: "auto", "qemu" or "firecracker". accel_override: "auto", "kvm" or "tcg" (see detect_accel).
 
@@ -57,6 +58,6 @@ def make_driver(
         if not qemu_binary.is_file():
             raise VmmNotInstalled(f"QEMU not found at {qemu_binary} (apt: qemu-system-x86)")
         qemu = QemuDriver(binary=qemu_binary, cpu_model=qemu_cpu_model, tcg_tb_size_mib=tcg_tb_size_mib,
-                           mem_merge=qemu_mem_merge)
+                           mem_merge=qemu_mem_merge, restore_tb_size_mib=tcg_restore_tb_size_mib)
         return DriverChoice(qemu, accel, info)
     raise VmmConfigError(f"VMM kind must be auto, qemu or firecracker, not {kind!r}")

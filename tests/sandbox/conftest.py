@@ -73,24 +73,23 @@ def _wait_template(node: NodeProcess, template: str = "base", timeout: float = 9
     raise AssertionError(f"template {template} not ready after {timeout}s:\n{node.log()[-3000:]}")
 
 
-@pytest.fixture(scope="session")
-def node() -> Iterator[NodeProcess]:
-    state = Path(tempfile.mkdtemp(prefix="aenv-e2e-", dir="/var/tmp"))
-    port = free_port()
-    # several nodes may share this host (a developer's own node, benchmarks): give this one
-    # slot addresses of its own
-    pool = free_pool_cidr()
-    log_path = state / "node.log"
+def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
+               **extra_env: str) -> NodeProcess:
+    """Start ``aenv-node serve`` on ``state`` and wait until the base template is ready."""
+    state.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
     env = {
         **os.environ,
         "AENV_STATE_DIR": str(state),
         "AENV_IMAGES_CACHE_DIR": IMAGE_CACHE,
         "AENV_NET_EGRESS": "false",
-        "AENV_API_DOMAIN": DOMAIN,
         "AENV_NET_WARM_SLOTS": "2",
-        "AENV_NET_POOL_CIDR": pool,
-        "AENV_SANDBOX_TTL_CHECK_INTERVAL_S": "0.5",
+        # several nodes may share this host (a developer's own node, benchmarks): give this one
+        # slot addresses of its own
+        "AENV_NET_POOL_CIDR": pool or free_pool_cidr(),
+        **extra_env,
     }
+    log_path = state / f"node-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}"],
@@ -108,22 +107,40 @@ def node() -> Iterator[NodeProcess]:
                 pass
             assert time.monotonic() < deadline, "node did not answer /health"
             time.sleep(0.2)
-        key = (state / "secrets" / "api-key").read_text().strip()
-        n = NodeProcess(url, key, state, proc, log_path)
-        _wait_template(n)
+        node = NodeProcess(url, (state / "secrets" / "api-key").read_text().strip(), state, proc, log_path)
+        _wait_template(node)
+        return node
+    except BaseException:
+        stop_node(proc)
+        raise
+
+
+def stop_node(proc: subprocess.Popen) -> None:
+    """SIGTERM (a graceful stop), SIGKILL if it takes over a minute."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def node() -> Iterator[NodeProcess]:
+    state = Path(tempfile.mkdtemp(prefix="aenv-e2e-", dir="/var/tmp"))
+    n = None
+    try:
+        n = start_node(state, AENV_API_DOMAIN=DOMAIN, AENV_SANDBOX_TTL_CHECK_INTERVAL_S="0.5")
         yield n
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        keep = Path("/var/tmp") / "aenv-e2e-last-node.log"
-        try:
-            shutil.copy(log_path, keep)  # for post-mortems: the state directory goes away
-        except OSError:
-            pass
+        if n is not None:
+            stop_node(n.proc)
+            try:  # for post-mortems: the state directory goes away
+                shutil.copy(n.log_path, Path("/var/tmp") / "aenv-e2e-last-node.log")
+            except OSError:
+                pass
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -6,7 +6,6 @@ import threading
 import time
 import uuid
 
-import httpx
 import pytest
 from e2b import CommandExitException, FileType, NotFoundException, Sandbox, SandboxQuery
 

@@ -10,7 +10,6 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from ..conftest import free_port
 from .conftest import DOMAIN
 
 pytestmark = pytest.mark.vm

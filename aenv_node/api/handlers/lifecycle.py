@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from quart import jsonify, request
+from quart import jsonify
 
 from ...runtime import Node
 from ...runtime.manager import CreateRequest, SandboxManager
