@@ -84,7 +84,17 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> Non
                 err=True,
             )
 
-    trio.run(main_task)
+    try:
+        trio.run(main_task)
+    except BaseExceptionGroup as group:
+        raise click.ClickException(_first_error(group)) from None
+
+
+def _first_error(exc: BaseException) -> str:
+    """One line for the error that stopped the node (Trio wraps it in exception groups)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return str(exc) if type(exc).__module__.startswith("aenv_node") else f"{type(exc).__name__}: {exc}"
 
 
 @main.group()

@@ -18,7 +18,7 @@ from aenv_node.runtime import Node, NodeDraining, run_node
 from aenv_node.state import Database, Event, Node as NodeRow, Sandbox, SandboxState
 from aenv_node.state import repository as repo
 
-from ..conftest import free_port
+from ..conftest import free_pool_cidr, free_port
 
 
 def _node(cfg) -> Node:
@@ -139,15 +139,17 @@ class _OperationService:
 
 async def test_outer_cancellation_still_records_stop(node_config) -> None:
     node = _node(node_config)
-    with trio.move_on_after(0.5):
-        await run_node(node, handle_signals=False)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: run_node(node, handle_signals=False, task_status=task_status))
+        nursery.cancel_scope.cancel()  # not a shutdown request: a cancellation from outside
     db = Database(node_config.database_path)
     with db.session() as s:
         assert s.get(NodeRow, node.node_id).state == "stopped"
 
 
 def _serve(state_dir: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "AENV_STATE_DIR": str(state_dir)}
+    env = {**os.environ, "AENV_STATE_DIR": str(state_dir), "AENV_NET_POOL_CIDR": free_pool_cidr(),
+           "AENV_NET_EGRESS": "false", "AENV_IMAGES_CACHE_DIR": "/var/lib/aenv"}
     return subprocess.Popen(
         [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
