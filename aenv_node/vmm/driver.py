@@ -274,13 +274,34 @@ class Vm(ABC):
     @abstractmethod
     async def stats(self) -> VmStats: ...
 
-    @abstractmethod
+    #: The VMM process (set by the driver before the Vm is handed out).
+    _proc: Any
+
+    def _process_stats(self, vmm: dict[str, Any]) -> VmStats:
+        """Stats every VMM shares (process memory and CPU) plus the VMM's own ``vmm`` fields."""
+        from .process import proc_cpu_seconds, proc_memory
+
+        rss, pss = proc_memory(self.pid)
+        return VmStats(
+            pid=self.pid,
+            state=self.state if self._proc.alive() else VmState.STOPPED,
+            rss_bytes=rss,
+            pss_bytes=pss,
+            cpu_seconds=proc_cpu_seconds(self.pid),
+            uptime_s=time.monotonic() - self.started_at,
+            vmm=vmm,
+        )
+
     async def stop(self) -> None:
         """Kill the VMM process now and reap it (the context exit does the same if not done)."""
+        await self._proc.kill()
+        self.state = VmState.STOPPED
 
-    @abstractmethod
     async def wait(self) -> int:
         """Wait until the VMM process exits; its exit status."""
+        rc = await self._proc.wait()
+        self.state = VmState.STOPPED
+        return rc
 
 
 @runtime_checkable

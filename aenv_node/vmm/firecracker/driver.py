@@ -55,7 +55,7 @@ from ..errors import (
     VmmExited,
     VmmStartError,
 )
-from ..process import VmmProcess, proc_cpu_seconds, proc_memory, vmm_process
+from ..process import VmmProcess, vmm_process
 from .api import FirecrackerApi
 
 DEFAULT_FIRECRACKER = Path("/opt/aenv/bin/firecracker")
@@ -454,25 +454,7 @@ class FirecrackerVm(Vm):
                 vmm["metrics"] = await trio.to_thread.run_sync(_last_json_line, self._paths.host_file("metrics.json"))
             except (VmmApiError, VmmExited):
                 pass
-        rss, pss = proc_memory(self.pid)
-        return VmStats(
-            pid=self.pid,
-            state=self.state if self._proc.alive() else VmState.STOPPED,
-            rss_bytes=rss,
-            pss_bytes=pss,
-            cpu_seconds=proc_cpu_seconds(self.pid),
-            uptime_s=time.monotonic() - self.started_at,
-            vmm=vmm,
-        )
-
-    async def stop(self) -> None:
-        await self._proc.kill()
-        self.state = VmState.STOPPED
-
-    async def wait(self) -> int:
-        rc = await self._proc.wait()
-        self.state = VmState.STOPPED
-        return rc
+        return self._process_stats(vmm)
 
 
 def _last_json_line(path: Path) -> dict[str, Any]:

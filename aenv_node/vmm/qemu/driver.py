@@ -58,7 +58,7 @@ from ..errors import (
     VmmStartError,
     VmmTimeout,
 )
-from ..process import VmmProcess, proc_cpu_seconds, proc_memory, vmm_process
+from ..process import VmmProcess, vmm_process
 from .qmp import QmpClient
 
 DEFAULT_QEMU = Path("/usr/bin/qemu-system-x86_64")
@@ -481,22 +481,4 @@ class QemuVm(Vm):
                     vmm["balloon_actual_bytes"] = (await self._cmd("query-balloon"))["actual"]
             except (VmmApiError, VmmExited):
                 pass
-        rss, pss = proc_memory(self.pid)
-        return VmStats(
-            pid=self.pid,
-            state=self.state if self._proc.alive() else VmState.STOPPED,
-            rss_bytes=rss,
-            pss_bytes=pss,
-            cpu_seconds=proc_cpu_seconds(self.pid),
-            uptime_s=time.monotonic() - self.started_at,
-            vmm=vmm,
-        )
-
-    async def stop(self) -> None:
-        await self._proc.kill()
-        self.state = VmState.STOPPED
-
-    async def wait(self) -> int:
-        rc = await self._proc.wait()
-        self.state = VmState.STOPPED
-        return rc
+        return self._process_stats(vmm)
