@@ -132,7 +132,8 @@ def node() -> Iterator[NodeProcess]:
     state = Path(tempfile.mkdtemp(prefix="aenv-e2e-", dir="/var/tmp"))
     n = None
     try:
-        n = start_node(state, AENV_API_DOMAIN=DOMAIN, AENV_SANDBOX_TTL_CHECK_INTERVAL_S="0.5")
+        n = start_node(state, AENV_API_DOMAIN=DOMAIN, AENV_SANDBOX_TTL_CHECK_INTERVAL_S="0.5",
+                       AENV_SNAPSHOT_COMPACT_AFTER_LAYERS="4")
         yield n
     finally:
         if n is not None:

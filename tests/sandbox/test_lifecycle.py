@@ -152,3 +152,60 @@ def test_fork_children_inherit_and_diverge(sdk_env) -> None:
             if isinstance(c, Sandbox):
                 c.kill()
         parent.kill()
+
+
+def test_long_disk_chains_are_compacted_and_still_resume(sdk_env) -> None:
+    """The session node compacts chains of more than 4 disk layers (base, boot seal, one per pause)."""
+    sb = Sandbox.create()
+    try:
+        for i in range(3):
+            sb.files.write(f"/home/user/round{i}.txt", f"round {i}")
+            sb.pause()
+            sb = Sandbox.connect(sb.sandbox_id)
+        snap = sdk_env.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
+        deadline = time.monotonic() + 60
+        compacted = []
+        while time.monotonic() < deadline and not compacted:
+            compacted = sdk_env.sql("SELECT detail FROM events WHERE operation = 'compact' AND subject_id IN "
+                                    f"(SELECT id FROM snapshots WHERE source_sandbox_id = '{sb.sandbox_id}')")
+            time.sleep(0.5)
+        assert compacted, "no compaction recorded"
+        sb.pause()  # this pause's snapshot builds on the compacted chain
+        back = Sandbox.connect(sb.sandbox_id)
+        for i in range(3):
+            assert back.files.read(f"/home/user/round{i}.txt") == f"round {i}"
+        assert snap
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_failed_pause_leaves_the_sandbox_running(sdk_env) -> None:
+    """A pause that cannot write its disk layer (the layer directory made read-only under the node)
+    resumes the VM and reports running, with the error in its event; nothing half-written is left."""
+    sb = Sandbox.create()
+    layers = sdk_env.state_dir / "layers"
+    try:
+        sb.commands.run(COUNTER)
+        time.sleep(1)
+        before = set(p.name for p in layers.iterdir())
+        subprocess.run(["mount", "--bind", str(layers), str(layers)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(layers)], check=True)
+            with pytest.raises(Exception) as info:
+                sb.pause()
+            assert "500" in str(info.value) or "internal" in str(info.value).lower()
+        finally:
+            subprocess.run(["umount", "-l", str(layers)], check=True)  # lazy: the node may hold files open
+        state = sdk_env.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'")
+        assert state == [("running",)]
+        errors = sdk_env.sql(f"SELECT operation, to_state, error FROM events WHERE sandbox_id = '{sb.sandbox_id}' "
+                             "AND error IS NOT NULL")
+        assert errors and errors[-1][1] == "running"
+        first = _counter(sb)
+        time.sleep(1)
+        assert _counter(sb) > first  # the guest runs again
+        assert set(p.name for p in layers.iterdir()) == before
+        assert sdk_env.sql(f"SELECT count(*) FROM snapshots WHERE source_sandbox_id = '{sb.sandbox_id}'") == [(0,)]
+        assert sb.pause() is True  # and it can pause once the disk is writable again
+    finally:
+        Sandbox.kill(sb.sandbox_id)
