@@ -16,7 +16,7 @@ from quart import Quart, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
 from ..config import ConfigError
-from ..net.errors import EgressPolicyError
+from ..net.errors import EgressPolicyError, PoolExhausted
 from ..state.errors import IllegalTransition, NotFound
 
 __all__ = ["ApiError", "error_response", "install_error_handlers"]
@@ -52,6 +52,8 @@ def _status_for(exc: BaseException) -> tuple[int, str]:
         return 409, str(exc)
     if isinstance(exc, (ConfigError, EgressPolicyError)):
         return 400, str(exc)
+    if isinstance(exc, PoolExhausted):
+        return 503, f"this node has no free capacity: {exc}"
     status = getattr(exc, "http_status", None)
     if isinstance(status, int):
         return status, str(exc)

@@ -26,6 +26,7 @@ from sqlalchemy import delete, select
 from ..config import Config
 from ..net import (
     EgressPolicy,
+    PoolExhausted,
     NetworkConfig,
     SlotPool,
     ensure_host_networking,
@@ -809,7 +810,8 @@ class SandboxManager:
                     results[i] = {"sandbox": await self.db.run(lambda s: repo.get_sandbox(s, sid))}
                 except Exception as exc:
                     log.warning("fork child %d of %s failed: %s", i, sandbox_id, exc)
-                    results[i] = {"error": {"code": 500, "message": f"{type(exc).__name__}: {exc}"}}
+                    code = 503 if isinstance(exc, PoolExhausted) else getattr(exc, "http_status", 500)
+                    results[i] = {"error": {"code": code, "message": f"{type(exc).__name__}: {exc}"}}
 
             async with trio.open_nursery() as children:
                 for i in range(count):
