@@ -674,7 +674,7 @@ async def qemu_fork_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, 
 async def floors(boot: dict[str, Any], heavy: dict[str, Any] | None, work: Path, args: argparse.Namespace
                  ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    driver = QemuDriver(tcg_tb_size_mib=args.tcg_tb_size_mb)
+    driver = QemuDriver(tcg_tb_size_mib=args.tcg_tb_size_mb, restore_tb_size_mib=args.tcg_tb_size_restore_mb)
     with BenchNetns(0) as ns:
         out["qemu_tcg_idle"] = await qemu_ops_floor(driver, boot, work, ns, args.floor_runs, args.settle, "idle")
         if heavy is not None:
@@ -811,6 +811,8 @@ def main() -> None:
                          " (the node's slot allocation races when the pool runs dry: see the report)")
     ap.add_argument("--mem-mib", type=int, default=512, help="the node's sandbox.default_memory_mb")
     ap.add_argument("--tcg-tb-size-mb", type=int, default=64, help="as the node's vmm.tcg_tb_size_mb")
+    ap.add_argument("--tcg-tb-size-restore-mb", type=int, default=16,
+                    help="as the node's vmm.tcg_tb_size_restore_mb (restored VMs)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lifecycle.json")
     args = ap.parse_args()
     args.forks = [int(x) for x in args.forks.split(",") if x.strip()]
