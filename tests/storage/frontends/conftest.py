@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import random
+from typing import Sequence
+
 import os
 import shutil
 import subprocess
@@ -57,3 +60,29 @@ async def qemu_io(uri: str, *cmds: str, check: bool = True) -> str:
     if check:
         assert "failed" not in out, out
     return out
+
+
+def random_workload(rng: "random.Random", ref: bytearray, count: int, lengths: "Sequence[int]", *,
+                    ops: "Sequence[str]" = ("write", "write", "write", "zero", "discard"),
+                    aligned: bool = False) -> list[str]:
+    """qemu-io commands for random pattern writes, zero writes and discards, applied to ``ref`` as well
+    (the reference a served disk must equal afterwards); ends with a flush."""
+    size = len(ref)
+    cmds = []
+    for _ in range(count):
+        op = rng.choice(list(ops))
+        length = rng.choice(list(lengths))
+        offset = (rng.randrange(0, (size - length) // 4096) * 4096 if aligned
+                  else rng.randrange(0, size - length))
+        if op == "write":
+            pat = rng.randrange(1, 256)
+            cmds.append(f"write -P {pat} {offset} {length}")
+            ref[offset : offset + length] = bytes([pat]) * length
+        elif op == "zero":
+            cmds.append(f"write -z {offset} {length}")
+            ref[offset : offset + length] = bytes(length)
+        else:
+            cmds.append(f"discard {offset} {length}")
+            ref[offset : offset + length] = bytes(length)
+    cmds.append("flush")
+    return cmds

@@ -8,7 +8,7 @@ import random
 
 from aenv_node.storage import Image, import_raw
 from aenv_node.storage.frontends import mount_fuse, serve_nbd
-from conftest import qemu_io, run
+from conftest import random_workload, qemu_io, run
 
 MiB = 1024 * 1024
 SIZE = 8 * MiB
@@ -27,22 +27,7 @@ async def test_nbd_then_fuse_over_a_layered_image(tmp_path, short_dir) -> None: 
     info = import_raw(raw, layers, compression="zstd")
 
     ref = bytearray(base)
-    cmds = []
-    for _ in range(100):
-        op = rng.choice(["write", "write", "zero", "discard"])
-        length = rng.choice([512, 4096, 12288, 65536, 100000])
-        offset = rng.randrange(0, SIZE - length)
-        if op == "write":
-            pat = rng.randrange(1, 256)
-            cmds.append(f"write -P {pat} {offset} {length}")
-            ref[offset : offset + length] = bytes([pat]) * length
-        elif op == "zero":
-            cmds.append(f"write -z {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-        else:
-            cmds.append(f"discard {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-    cmds.append("flush")
+    cmds = random_workload(rng, ref, 100, [512, 4096, 12288, 65536, 100000], ops=["write", "write", "zero", "discard"])
     (tmp_path / "ref.img").write_bytes(ref)
 
     image = Image.open([info.path], tmp_path / "upper")

@@ -16,7 +16,7 @@ import trio
 from aenv_node.storage import FlatFileDevice
 from aenv_node.storage.frontends import FuseMountError
 from aenv_node.storage.frontends.fuse import mount_fuse
-from conftest import DEVICE_SIZE, qemu_io, run
+from conftest import random_workload, DEVICE_SIZE, qemu_io, run
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -146,22 +146,7 @@ async def test_fsync_and_fallocate_reach_the_device(device: FlatFileDevice, mnt)
 async def test_qemu_workload_on_the_fuse_file_matches_a_reference(device: FlatFileDevice, tmp_path, mnt) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(99)
     ref = bytearray(DEVICE_SIZE)
-    cmds = []
-    for _ in range(120):
-        op = rng.choice(["write", "write", "zero", "discard"])
-        length = rng.choice([4096, 8192, 65536, 131072, 1 << 20])
-        offset = rng.randrange(0, (DEVICE_SIZE - length) // 4096) * 4096
-        if op == "write":
-            pat = rng.randrange(1, 256)
-            cmds.append(f"write -P {pat} {offset} {length}")
-            ref[offset : offset + length] = bytes([pat]) * length
-        elif op == "zero":
-            cmds.append(f"write -z {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-        else:
-            cmds.append(f"discard {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-    cmds.append("flush")
+    cmds = random_workload(rng, ref, 120, [4096, 8192, 65536, 131072, 1 << 20], ops=["write", "write", "zero", "discard"], aligned=True)
     (tmp_path / "ref.img").write_bytes(ref)
     async with mount_fuse({"disk.raw": device}, mnt) as fs:
         path = str(fs.path("disk.raw"))

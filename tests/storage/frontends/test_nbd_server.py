@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from aenv_node.storage import FlatFileDevice
 from aenv_node.storage.frontends import NbdServer, SocketPathInUse, serve_nbd
 from aenv_node.storage.frontends import nbd_protocol as P
-from conftest import DEVICE_SIZE, qemu_io, run
+from conftest import random_workload, DEVICE_SIZE, qemu_io, run
 from nbd_rawclient import RawClient
 
 KiB = 1024
@@ -63,22 +63,7 @@ async def test_random_workload_matches_a_reference_file(nbd: NbdServer, device: 
     rng = random.Random(1234)
     ref_path = tmp_path / "ref.img"
     ref = bytearray(DEVICE_SIZE)
-    cmds = []
-    for _ in range(150):
-        op = rng.choice(["write", "write", "write", "zero", "discard"])
-        length = rng.choice([512, 4096, 4096, 65536, 12345, 300000])
-        offset = rng.randrange(0, DEVICE_SIZE - length)
-        if op == "write":
-            pat = rng.randrange(1, 256)
-            cmds.append(f"write -P {pat} {offset} {length}")
-            ref[offset : offset + length] = bytes([pat]) * length
-        elif op == "zero":
-            cmds.append(f"write -z {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-        else:
-            cmds.append(f"discard {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-    cmds.append("flush")
+    cmds = random_workload(rng, ref, 150, [512, 4096, 4096, 65536, 12345, 300000], ops=["write", "write", "write", "zero", "discard"])
     ref_path.write_bytes(ref)
     await qemu_io(nbd.uri, *cmds)
     await run("qemu-img", "compare", "-f", "raw", "-F", "raw", nbd.uri, str(ref_path))

@@ -10,30 +10,14 @@ import trio
 
 from aenv_node.storage import Image, import_raw
 from aenv_node.storage.frontends import serve_nbd
-from conftest import qemu_io, run
+from conftest import qemu_io, random_workload, run
 
 MiB = 1024 * 1024
 SIZE = 16 * MiB
 
 
 def _workload(rng: random.Random, ref: bytearray, n: int) -> list[str]:
-    cmds = []
-    for _ in range(n):
-        op = rng.choice(["write", "write", "write", "zero", "discard"])
-        length = rng.choice([4096, 8192, 65536, 200704])
-        offset = rng.randrange(0, (SIZE - length) // 4096) * 4096
-        if op == "write":
-            pat = rng.randrange(1, 256)
-            cmds.append(f"write -P {pat} {offset} {length}")
-            ref[offset : offset + length] = bytes([pat]) * length
-        elif op == "zero":
-            cmds.append(f"write -z {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-        else:
-            cmds.append(f"discard {offset} {length}")
-            ref[offset : offset + length] = bytes(length)
-    cmds.append("flush")
-    return cmds
+    return random_workload(rng, ref, n, [4096, 8192, 65536, 200704], aligned=True)
 
 
 async def test_workload_with_seals_and_compaction_matches_flat_file(tmp_path, short_dir) -> None:  # type: ignore[no-untyped-def]
