@@ -283,6 +283,8 @@ class SandboxManager:
             return found
 
         found = await self.db.run(work)
+        import shutil
+
         for sid, pid in found:
             if pid and _is_our_vmm(pid, sid):
                 log.warning("reconcile: killing leftover VMM %d of sandbox %s", pid, sid)
@@ -290,6 +292,9 @@ class SandboxManager:
                     os.kill(pid, 9)
                 except ProcessLookupError:
                     pass
+            # its sockets and its writable upper died with it (a pause's state is in its snapshot)
+            shutil.rmtree(self.cfg.run_dir / sid, ignore_errors=True)
+            shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
         removed = await remove_orphans(self.netcfg)
         if removed or found:
             log.info("reconcile: %d sandboxes marked killed, %d orphan slots removed", len(found), len(removed))

@@ -151,6 +151,7 @@ async def build_template(
                 await m.vm.stop()
         finally:
             await pool.release(slot)
+            shutil.rmtree(run_root / build_id, ignore_errors=True)
         sealed = await trio.to_thread.run_sync(image.seal, layers_dir)
         await trio.to_thread.run_sync(image.close)
         image = None

@@ -49,6 +49,7 @@ def test_paused_sandbox_survives_kill_9_and_resumes(tmp_path: Path, monkeypatch:
             time.sleep(0.2)
         assert not os.path.exists(f"/proc/{running_pid}") or \
             running.sandbox_id.encode() not in Path(f"/proc/{running_pid}/cmdline").read_bytes()
+        assert not (state / "sandboxes" / running.sandbox_id).exists()  # its upper went with it
 
         back = Sandbox.connect(paused.sandbox_id)
         assert back.files.read("/home/user/durable.txt") == "survives kill -9"
