@@ -263,13 +263,30 @@ class Vm(ABC):
         The VM is left paused: `resume()` it or leave the context to stop it.
         """
 
-    @abstractmethod
     async def dirty_memory_ranges(self) -> tuple[MemoryRange, ...]:
-        """Guest memory written since the VM was restored (all of it for a booted VM)."""
+        """Guest memory written since the VM was restored (all of it for a booted VM).
+
+        Both VMMs map a restored VM's memory image MAP_PRIVATE, so the pagemap method serves both.
+        """
+        if self.restored_from is None:
+            return (MemoryRange(0, self.config.mem_bytes),)
+        import trio
+
+        from . import pagemap
+
+        return await trio.to_thread.run_sync(pagemap.dirty_ranges, self.pid, self.restored_from.memory)
 
     @abstractmethod
     async def balloon(self, amount_mib: int) -> None:
         """Set how much memory the balloon takes from the guest (needs `VmConfig.balloon`)."""
+
+    def _check_balloon_amount(self, amount_mib: int) -> None:
+        from .errors import UnsupportedOperation
+
+        if self.config.balloon is None:
+            raise UnsupportedOperation("this VM has no balloon device: set VmConfig.balloon at boot")
+        if not 0 <= amount_mib < self.config.mem_mib:
+            raise VmmConfigError(f"balloon amount {amount_mib} MiB outside [0, {self.config.mem_mib})")
 
     @abstractmethod
     async def stats(self) -> VmStats: ...

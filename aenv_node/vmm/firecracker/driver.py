@@ -35,7 +35,7 @@ from typing import Any
 
 import trio
 
-from .. import memfile, pagemap
+from .. import memfile
 from ..driver import (
     CaptureKind,
     CaptureResult,
@@ -433,16 +433,8 @@ class FirecrackerVm(Vm):
                 duration_s=time.perf_counter() - t0,
             )
 
-    async def dirty_memory_ranges(self) -> tuple[MemoryRange, ...]:
-        if self.restored_from is None:
-            return (MemoryRange(0, self.config.mem_bytes),)
-        return await trio.to_thread.run_sync(pagemap.dirty_ranges, self.pid, self.restored_from.memory)
-
     async def balloon(self, amount_mib: int) -> None:
-        if self.config.balloon is None:
-            raise UnsupportedOperation("this VM has no balloon device: set VmConfig.balloon at boot")
-        if not 0 <= amount_mib < self.config.mem_mib:
-            raise VmmConfigError(f"balloon amount {amount_mib} MiB outside [0, {self.config.mem_mib})")
+        self._check_balloon_amount(amount_mib)
         await self._call("PATCH", "/balloon", {"amount_mib": amount_mib})
 
     async def stats(self) -> VmStats:

@@ -459,16 +459,8 @@ class QemuVm(Vm):
             ranges = (MemoryRange(0, size),)
         return SnapshotFormat.QEMU_DEVICES, ranges
 
-    async def dirty_memory_ranges(self) -> tuple[MemoryRange, ...]:
-        if self.restored_from is None:
-            return (MemoryRange(0, self.config.mem_bytes),)
-        return await trio.to_thread.run_sync(pagemap.dirty_ranges, self.pid, self.restored_from.memory)
-
     async def balloon(self, amount_mib: int) -> None:
-        if self.config.balloon is None:
-            raise UnsupportedOperation("this VM has no balloon device: set VmConfig.balloon at boot")
-        if not 0 <= amount_mib < self.config.mem_mib:
-            raise VmmConfigError(f"balloon amount {amount_mib} MiB outside [0, {self.config.mem_mib})")
+        self._check_balloon_amount(amount_mib)
         # QMP `balloon` takes the guest's target memory size, not the balloon's.
         await self._cmd("balloon", {"value": (self.config.mem_mib - amount_mib) << 20})
 
