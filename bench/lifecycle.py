@@ -52,7 +52,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,6 +77,7 @@ from aenv_node.vmm import (  # noqa: E402
     memfile,
 )
 from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
+from bench._stats import ms, pct, utc_now  # noqa: E402
 
 # A node slot's guest side (net.NetworkConfig defaults): identical in every slot, baked into the snapshot
 GUEST_MAC = "02:ae:00:00:00:21"
@@ -104,23 +104,6 @@ SDK_REQUEST_TIMEOUT_S = 900.0
 SANDBOX_TIMEOUT_S = 3600
 
 
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def ms(seconds: float) -> float:
-    return round(seconds * 1000, 1)
-
-
-def pct(values: list[float], q: float) -> float:
-    """Percentile q (0..100), linear interpolation between closest ranks."""
-    v = sorted(values)
-    if len(v) == 1:
-        return v[0]
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def dist_ms(values_ms: list[float]) -> dict[str, float]:
@@ -693,7 +676,7 @@ async def floors(boot: dict[str, Any], heavy: dict[str, Any] | None, work: Path,
         kernel = build_tiny_guest(base / "guest")
         s = summarize(await bench_driver(fc, kernel, base, args.floor_runs))
         out["firecracker_tiny"] = {"mem_mib": MEM_MIB, **{k: v for k, v in s.items()}}
-        print(f"  Firecracker tiny: " + ", ".join(f"{k} {v['median_ms']} ms" for k, v in s.items()), flush=True)
+        print("  Firecracker tiny: " + ", ".join(f"{k} {v['median_ms']} ms" for k, v in s.items()), flush=True)
     else:
         out["firecracker_tiny"] = {"skipped": f"firecracker not installed at {fc.binary}"}
     return out

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as dt
 import json
 import os
 import shutil
@@ -64,6 +63,7 @@ from aenv_node.vmm import (  # noqa: E402
     VmConfig,
 )
 from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
+from bench._stats import ms, pct, utc_now  # noqa: E402
 from bench.vmm_floor import MEM_MIB as TINY_MEM_MIB  # noqa: E402
 from bench.vmm_floor import cfg as tiny_cfg  # noqa: E402
 from tests.vmm.tinyguest import build_tiny_guest, last_tick, wait_for_tick  # noqa: E402
@@ -78,23 +78,6 @@ ENVD_PORT = 49983
 CLONE_NEWNET = 0x40000000
 
 
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def ms(seconds: float) -> float:
-    return round(seconds * 1000, 1)
-
-
-def pct(values: list[float], q: float) -> float:
-    """Percentile q (0..100) with linear interpolation between closest ranks."""
-    v = sorted(values)
-    if len(v) == 1:
-        return v[0]
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def dist(values_s: list[float]) -> dict[str, float]:
