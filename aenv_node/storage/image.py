@@ -59,6 +59,29 @@ class _Gen:
         self.readers = [l.read_stream for l in layers]
 
 
+class _FrozenUpper:
+    """A frozen upper serving reads as a level of the stack until it is sealed (see ``Image.freeze``).
+
+    Looks like a ``LayerReader`` to the image (``extents``, ``read_stream``, ``digest``, ``close``): its extents
+    are the upper's block map with data offsets = physical block offsets, exactly what the sealed layer's index
+    will hold, and its reads go straight to the upper's data file (no checksums exist before the seal)."""
+
+    def __init__(self, upper: Upper) -> None:
+        from .seal import upper_extents
+
+        self.upper = upper
+        self.extents = upper_extents(upper)
+        self.virtual_size = upper.virtual_size
+        self.digest: str | None = None
+        self.name = f"frozen upper {upper.data_path}"
+
+    def read_stream(self, doff: int, length: int) -> bytes:
+        return self.upper.read_pblocks(0, doff, length)
+
+    def close(self) -> None:
+        self.upper.abandon()
+
+
 class Image:
     """A layered block device.  ``layers`` bottom first; ``upper`` None makes it read-only.
 
@@ -336,6 +359,55 @@ class Image:
             runs = merge([runs_level(g.runs), layer_level(layer.extents, owner=k)])
             self._gen = _Gen(g.layers + (layer,), new_upper, runs, self.size)
             return info
+
+    def freeze(self) -> _FrozenUpper:
+        """The instant half of a seal, for a live capture: writes continue on a fresh upper at once, and the
+        current upper, frozen, stays in the stack (serving reads) until ``seal_frozen`` turns it into a layer.
+
+        ``seal`` hashes and checksums the upper's data and fsyncs it (hundreds of ms for a busy disk); a VM
+        must be paused while its disk and memory are captured at one instant, so a live snapshot freezes
+        while paused and seals after resuming.  The cost here is creating the next generation's files.
+        Until sealed the upper records no layer stack (``Image.reopen`` refuses it): only images that are
+        not reopened after a crash (running sandboxes) should be frozen."""
+        with self._flock, self._wlock:
+            g = self._gen
+            up = self._writable()
+            frozen = _FrozenUpper(up)
+            new_upper = up.reset(None, keep_files=True)
+            k = len(g.layers)
+            runs = merge([runs_level(g.runs), layer_level(frozen.extents, owner=k)])
+            self._owned.add(id(frozen))
+            self._gen = _Gen(g.layers + (frozen,), new_upper, runs, self.size)  # type: ignore[arg-type]
+            return frozen
+
+    def seal_frozen(self, frozen: _FrozenUpper, layers_dir: str | os.PathLike[str], *,
+                    max_garbage: float = 0.25, min_garbage_bytes: int = 1 << 20) -> LayerInfo:
+        """Seal an upper ``freeze`` took out of service into the layer ``<digest>.layer`` and put that layer in
+        its place in the stack (the current upper then records the stack).  Runs without the write lock
+        except for the swap: nobody writes a frozen upper."""
+        from .seal import seal_upper
+
+        info = seal_upper(frozen.upper, layers_dir, max_garbage=max_garbage, min_garbage_bytes=min_garbage_bytes)
+        layer = LayerReader.open(info.path)
+        try:
+            with self._wlock:
+                cur = self._gen
+                idx = next((i for i, l in enumerate(cur.layers) if l is frozen), None)
+                if idx is None:
+                    raise ImageError("that frozen upper is not in this image's stack")
+                layers = cur.layers[:idx] + (layer,) + cur.layers[idx + 1:]
+                runs = merge_layers(layers)
+                digests = _digests(layers)
+                if cur.upper is not None and digests is not None:
+                    cur.upper.set_stack(digests)
+                self._gen = _Gen(layers, cur.upper, runs, self.size)
+                self._owned.add(id(layer))
+                self._owned.discard(id(frozen))  # closed by refcount once in-flight reads finish
+        except BaseException:
+            layer.close()
+            raise
+        frozen.upper.remove_files()
+        return info
 
     def compact(self, start: int, stop: int, layers_dir: str | os.PathLike[str], *,
                 compression: str | None = None) -> LayerInfo:

@@ -468,23 +468,43 @@ class Upper:
                 os.fdatasync(self.log_fd)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
-    def reset(self, stack: Sequence[str] | None = None) -> "Upper":
+    def reset(self, stack: Sequence[str] | None = None, *, keep_files: bool = False) -> "Upper":
         """Start the next generation: a fresh, empty upper in the same directory (used after a seal), sitting
         on ``stack`` (layer digests, recorded in the same commit).
 
         The old files are unlinked; this object keeps its descriptors open so reads already in flight finish.
+        ``keep_files`` (a freeze, sealed later): the old data and log files are renamed ``frozen-data.N`` /
+        ``frozen-log.N`` instead, out of the generation scheme, so this object can still be sealed (its
+        ``data_path`` follows the rename); ``remove_files()`` deletes them once sealed.
         Returns the new ``Upper``."""
         new = object.__new__(Upper)
         new.path, new.virtual_size, new.nblocks, new._fsync = self.path, self.virtual_size, self.nblocks, self._fsync
         new._chunks, new._pending, new._seq, new._closed = {}, bytearray(), 0, False
         new._create(self.generation + 1, stack)
-        for p in (self.data_path, self.log_path, self._stack_path(self.generation)):
+        doomed = [self._stack_path(self.generation)]
+        if keep_files:
+            frozen_data = os.path.join(self.path, f"frozen-data.{self.generation}")
+            frozen_log = os.path.join(self.path, f"frozen-log.{self.generation}")
+            os.rename(self.data_path, frozen_data)
+            os.rename(self.log_path, frozen_log)
+            self.data_path, self.log_path = frozen_data, frozen_log
+        else:
+            doomed += [self.data_path, self.log_path]
+        for p in doomed:
             try:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
         new._sync_dir()
         return new
+
+    def remove_files(self) -> None:
+        """Unlink this (retired) upper's files; open descriptors stay valid for reads in flight."""
+        for p in (self.data_path, self.log_path):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
 
     def abandon(self) -> None:
         """Drop the upper without flushing (what kill -9 does): close descriptors, lose pending records."""

@@ -1,5 +1,6 @@
 """An image behaves exactly like a flat bytearray under any sequence of writes, trims, write-zeroes, flushes,
-seals, compactions and crashes (hypothesis stateful testing against a model)."""
+seals, two-phase seals (freeze, writes, seal_frozen), compactions and crashes (hypothesis stateful testing
+against a model)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class ImageMachine(RuleBasedStateMachine):
         self.model = bytearray(SIZE)
         self.since_flush: dict[int, set[bytes]] = {}  # block -> every value it held since the last flush
         self.img: Image | None = None
+        self.frozen = None  # (frozen upper, model at the freeze) between freeze and seal_frozen
 
     @initialize(base=st.booleans(), seed=st.integers(0, 2**32 - 1))
     def start(self, base: bool, seed: int) -> None:
@@ -116,7 +118,30 @@ class ImageMachine(RuleBasedStateMachine):
                       min_garbage_bytes=0 if copy_garbage else 1 << 20)
         self.since_flush.clear()  # a seal makes everything durable
 
-    @precondition(lambda self: self.img is not None and len(self.img.layers) >= 2)
+    @precondition(lambda self: self.frozen is None)
+    @rule()
+    def freeze(self) -> None:
+        self.frozen = (self.img.freeze(), bytes(self.model))
+
+    @precondition(lambda self: self.frozen is not None)
+    @rule(copy_garbage=st.booleans())
+    def seal_frozen(self, copy_garbage: bool) -> None:
+        from aenv_node.storage.layer import LayerReader
+
+        frozen, at_freeze = self.frozen
+        files = [frozen.upper.data_path, frozen.upper.log_path]
+        info = self.img.seal_frozen(frozen, self.layers_dir, max_garbage=0.0 if copy_garbage else 0.25,
+                                    min_garbage_bytes=0 if copy_garbage else 1 << 20)
+        self.frozen = None
+        assert not any(os.path.exists(f) for f in files)  # the frozen upper's files are gone once sealed
+        assert info.digest in [l.digest for l in self.img.layers]  # the layer took the frozen upper's place
+        with LayerReader.open(info.path) as layer:  # it holds what was written before the freeze, no more
+            for e in layer.iter_extents():
+                assert layer.read(e.offset, e.length) == at_freeze[e.offset : e.offset + e.length]
+        self.since_flush.clear()  # sealing the frozen upper made it durable; the new upper is flushed below
+        self.img.flush()
+
+    @precondition(lambda self: self.img is not None and self.frozen is None and len(self.img.layers) >= 2)
     @rule(data=st.data(), compression=st.sampled_from([None, "zstd"]))
     def compact(self, data: st.DataObject, compression: str | None) -> None:
         n = len(self.img.layers)
@@ -125,6 +150,7 @@ class ImageMachine(RuleBasedStateMachine):
         self.img.compact(start, stop, self.layers_dir, compression=compression)
         assert len(self.img.layers) == n - (stop - start) + 1
 
+    @precondition(lambda self: self.frozen is None)  # a frozen upper is not reopenable until sealed (documented)
     @rule()
     def crash_after_flush(self) -> None:
         """kill -9 right after a flush: nothing may be lost."""
@@ -132,6 +158,7 @@ class ImageMachine(RuleBasedStateMachine):
         self._reopen()
         self.since_flush.clear()
 
+    @precondition(lambda self: self.frozen is None)
     @rule()
     def crash(self) -> None:
         """kill -9 at an arbitrary point: flushed data survives; each block written since reads as one of the
