@@ -7,6 +7,7 @@ offset in the file = offset in guest memory), so one set of helpers serves both:
 * `copy_image` clones a file with a reflink (FICLONE) where the filesystem can, else copies only its data
   extents (SEEK_DATA/SEEK_HOLE) with copy_file_range, keeping holes as holes.
 * `data_ranges` lists the data extents of a sparse file: the dirty ranges of a Firecracker Diff snapshot.
+* `materialize_packed` = the same with the dirty pages in memory (a capture buffer), packed in range order.
 * `materialize` = copy the base image, then patch each diff's ranges over it, oldest first. The storage
   layer does this for real (layers, reflinks, caches); this is the minimal correct version, used by tests
   and benchmarks and by `capture` of a restored QEMU VM.
@@ -115,3 +116,19 @@ def materialize(base: Path, diffs: Sequence[tuple[Path, Sequence[MemoryRange] | 
     copy_image(base, dst)
     for diff, ranges in diffs:
         apply_ranges(dst, diff, data_ranges(diff) if ranges is None else ranges)
+
+
+def materialize_packed(base: Path, ranges: Sequence[MemoryRange], data: memoryview, dst: Path) -> None:
+    """dst = base with `ranges` overwritten by `data` (their bytes back to back, in range order)."""
+    copy_image(base, dst)
+    fd = os.open(dst, os.O_WRONLY)
+    try:
+        pos = 0
+        for r in ranges:
+            done = 0
+            while done < r.length:
+                n = min(_CHUNK, r.length - done)
+                done += os.pwrite(fd, data[pos + done : pos + done + n], r.offset + done)
+            pos += r.length
+    finally:
+        os.close(fd)

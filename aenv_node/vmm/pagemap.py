@@ -7,13 +7,16 @@ present and not file-backed (bit 63 set, bit 61 clear) or swapped out (bit 62). 
 since the mapping was made, i.e. since the restore. The same works for Firecracker's `File` memory backend.
 
 The scan reads 8 bytes per guest page (2 MiB of pagemap for 1 GiB of guest) and classifies them with numpy;
-the dirty pages are then read out of /proc/PID/mem (the VM must be paused for a consistent copy).
+the dirty pages are then read out of /proc/PID/mem into a file (`copy_out`), or with `process_vm_readv` into
+memory that is already faulted in (`copy_to_buffer`: a plain memcpy, the fastest way to get them while the
+VM is paused, which it must be for a consistent copy).
 
 All functions block: call them through `trio.to_thread.run_sync`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,3 +105,53 @@ def copy_out(pid: int, mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange,
                 done += n
     finally:
         os.close(mem_fd)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+_IOV_MAX = 1024
+
+
+def _remote_pieces(mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...]) -> list[tuple[int, int]]:
+    """(address in the process, length) for every range, split where the image's mappings split."""
+    out = []
+    for r in ranges:
+        off = r.offset
+        while off < r.end:
+            m = next((m for m in mappings if m.file_offset <= off < m.file_offset + (m.end - m.start)), None)
+            if m is None:
+                raise SnapshotError(f"offset {off:#x} is outside the process's mappings of the image")
+            n = min(r.end - off, m.file_offset + (m.end - m.start) - off)
+            out.append((m.start + (off - m.file_offset), n))
+            off += n
+    return out
+
+
+def copy_to_buffer(pid: int, mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...],
+                   address: int, size: int) -> int:
+    """Copy guest memory `ranges` (image offsets), packed back to back in range order, into `size` bytes at
+    `address` in this process; returns the bytes copied. (Two threads copying halves measured no faster:
+    the copy is bound by memory bandwidth, ~6 GB/s here.)"""
+    pieces = _remote_pieces(mappings, ranges)
+    total = sum(n for _, n in pieces)
+    if total > size:
+        raise SnapshotError(f"{total} dirty bytes do not fit a {size}-byte capture buffer")
+    pos = 0
+    for i in range(0, len(pieces), _IOV_MAX):
+        batch = pieces[i : i + _IOV_MAX]
+        want = sum(n for _, n in batch)
+        remote = (_IoVec * len(batch))(*[_IoVec(a, n) for a, n in batch])
+        local = _IoVec(address + pos, want)
+        got = _libc.process_vm_readv(pid, ctypes.byref(local), 1, remote, len(batch), 0)
+        if got != want:
+            err = ctypes.get_errno() if got < 0 else 0
+            raise SnapshotError(f"process_vm_readv of guest memory from process {pid} copied {got} of {want} bytes"
+                                + (f": {os.strerror(err)}" if err else ""))
+        pos += want
+    return pos

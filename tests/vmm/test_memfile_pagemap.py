@@ -177,3 +177,45 @@ def test_make_driver_follows_the_host_and_the_overrides() -> None:
         assert "bhyve" in str(e)
     else:
         raise AssertionError("unknown VMM kind accepted")
+
+
+def test_copy_to_buffer_packs_the_dirty_pages_and_materializes_like_a_diff(tmp_path: Path) -> None:
+    """The capture-buffer path: the same bytes as the diff-file path, packed in range order."""
+    from aenv_node.vmm.capture_buffer import CaptureBuffer
+
+    img = tmp_path / "image"
+    write_pages(img, set(range(NPAGES)), 0x22)
+    written = {1, 2, 3, 40, 62, 63}
+    with open(img, "r+b") as f:
+        m = mmap.mmap(f.fileno(), NPAGES * PAGE_SIZE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    buf = CaptureBuffer(16 * PAGE_SIZE)
+    try:
+        for p in written:
+            m[p * PAGE_SIZE : (p + 1) * PAGE_SIZE] = bytes([p]) * PAGE_SIZE
+        maps = pagemap.find_mappings(os.getpid(), img)
+        ranges = pagemap.dirty_ranges(os.getpid(), img)
+        n = pagemap.copy_to_buffer(os.getpid(), maps, ranges, buf.address, buf.size)
+        assert n == len(written) * PAGE_SIZE
+        assert bytes(buf.view[:n]) == b"".join(bytes([p]) * PAGE_SIZE for p in sorted(written))
+        diff = tmp_path / "diff"
+        fd = os.open(diff, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, NPAGES * PAGE_SIZE)
+            pagemap.copy_out(os.getpid(), maps, ranges, fd)
+        finally:
+            os.close(fd)
+        memfile.materialize(img, [(diff, ranges)], tmp_path / "from-diff")
+        memfile.materialize_packed(img, ranges, buf.view[:n], tmp_path / "from-buffer")
+        assert (tmp_path / "from-buffer").read_bytes() == (tmp_path / "from-diff").read_bytes()
+        small = CaptureBuffer(PAGE_SIZE)
+        try:
+            pagemap.copy_to_buffer(os.getpid(), maps, ranges, small.address, small.size)
+        except SnapshotError as e:
+            assert "do not fit" in str(e)
+        else:
+            raise AssertionError("expected SnapshotError: the pages do not fit")
+        finally:
+            small.close()
+    finally:
+        m.close()
+        buf.close()
