@@ -208,6 +208,9 @@ class CaptureResult:
     mem_size: int
     dirty_ranges: tuple[MemoryRange, ...]
     duration_s: float
+    #: DIFF into a capture buffer: the dirty pages are in `buffer.view`, packed in `dirty_ranges` order, and
+    #: no `memory` file was written. Valid until the buffer is given back.
+    buffer: Any = None
 
     @property
     def dirty_bytes(self) -> int:
@@ -257,10 +260,13 @@ class Vm(ABC):
         """Run the vCPUs again. Idempotent."""
 
     @abstractmethod
-    async def capture(self, vmstate: Path, memory: Path, *, kind: CaptureKind = CaptureKind.FULL) -> CaptureResult:
+    async def capture(self, vmstate: Path, memory: Path, *, kind: CaptureKind = CaptureKind.FULL,
+                      buffer: Any = None) -> CaptureResult:
         """Pause (if running) and write device state to `vmstate` and memory to `memory`.
 
-        The VM is left paused: `resume()` it or leave the context to stop it.
+        `buffer` (a `CaptureBuffer`, DIFF only): copy the dirty pages into it instead of `memory` when the
+        driver can and they fit (`CaptureResult.buffer` says whether it did): the fastest copy, so the
+        shortest pause. The VM is left paused: `resume()` it or leave the context to stop it.
         """
 
     async def dirty_memory_ranges(self) -> tuple[MemoryRange, ...]:

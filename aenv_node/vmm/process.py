@@ -25,6 +25,7 @@ from pathlib import Path
 import trio
 
 from .errors import VmmExited, VmmNotInstalled, VmmStartError
+from .seccomp import SeccompFilter
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -120,11 +121,14 @@ async def vmm_process(
     netns: Path | None = None,
     cwd: Path | None = None,
     extra_logs: Sequence[Path] = (),
+    seccomp: SeccompFilter | None = None,
 ) -> AsyncIterator[VmmProcess]:
     """Start `argv` (inside `netns` if given); kill, reap and remove `sockets` on exit.
 
     stderr goes to `log_path`; stdout to `stdout_path` (e.g. a serial console) or also to `log_path`.
     `extra_logs`: log files the VMM writes itself, included in error messages.
+    `seccomp`: a filter installed in the child between fork and exec, so the VMM (and `nsenter` before it)
+    runs under it from its first instruction (see `seccomp.py`). Costs a fork+exec instead of vfork.
     """
     exe = argv[0]
     if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
@@ -148,6 +152,8 @@ async def vmm_process(
                 stderr=log_f,
                 cwd=str(cwd) if cwd else None,
                 start_new_session=True,  # a ^C to the node must not reach VMMs before we clean up
+                # Only two prctl() calls through pre-built ctypes objects run in the forked child.
+                preexec_fn=seccomp.install if seccomp is not None else None,
             )
         finally:
             if out_f is not None:
@@ -181,6 +187,18 @@ def proc_memory(pid: int) -> tuple[int, int]:
     except (FileNotFoundError, ProcessLookupError):
         pass
     return rss, pss
+
+
+def proc_seccomp_filters(pid: int) -> int:
+    """How many seccomp filters process `pid` runs under (0 if none or if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Seccomp_filters:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
 
 
 def proc_cpu_seconds(pid: int) -> float:

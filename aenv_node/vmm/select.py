@@ -38,6 +38,7 @@ def make_driver(
     track_dirty_pages: bool = True,
     qemu_mem_merge: bool = False,
     tcg_restore_tb_size_mib: int | None = None,
+    qemu_cow_discard: bool = False,
 ) -> DriverChoice:
     """kind: "auto", "qemu" or "firecracker". accel_override: "auto", "kvm" or "tcg" (see detect_accel).
 
@@ -58,6 +59,7 @@ def make_driver(
         if not qemu_binary.is_file():
             raise VmmNotInstalled(f"QEMU not found at {qemu_binary} (apt: qemu-system-x86)")
         qemu = QemuDriver(binary=qemu_binary, cpu_model=qemu_cpu_model, tcg_tb_size_mib=tcg_tb_size_mib,
-                           mem_merge=qemu_mem_merge, restore_tb_size_mib=tcg_restore_tb_size_mib)
+                           mem_merge=qemu_mem_merge, restore_tb_size_mib=tcg_restore_tb_size_mib,
+                           cow_discard=qemu_cow_discard)
         return DriverChoice(qemu, accel, info)
     raise VmmConfigError(f"VMM kind must be auto, qemu or firecracker, not {kind!r}")

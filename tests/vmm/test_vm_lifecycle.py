@@ -351,3 +351,39 @@ async def test_a_kernel_the_vmm_cannot_load_is_a_start_error(driver: VmmDriver, 
             pass
     assert err.value.log_tail, "the error must carry the VMM's own words"
     assert not cfg.socket_path.exists()
+
+
+async def test_diff_capture_into_a_capture_buffer_restores_like_a_diff_file(
+    driver: VmmDriver, tiny_kernel: Path, workroot: Path
+) -> None:
+    """QEMU copies the dirty pages into a lent buffer (no diff file); Firecracker writes its own file and
+    leaves the buffer alone. Either way base + dirty pages restore to where the VM was."""
+    from aenv_node.vmm.capture_buffer import CaptureBuffer
+
+    base = await boot_and_capture(driver, tiny_kernel, workroot)
+    _, base_tick = image_status(base.memory)
+    cfg = tiny_config(workroot / "r1", tiny_kernel)
+    buf = CaptureBuffer(MEM_MIB << 20)
+    try:
+        async with driver.restore(cfg, base.snapshot_files()) as vm:
+            await wait_for_tick(cfg.console_path, base_tick + SWEEP_PAGES + 4)
+            diff = await vm.capture(workroot / "vmstate1", workroot / "diff1", kind=CaptureKind.DIFF, buffer=buf)
+        merged = workroot / "merged.mem"
+        if driver.name == "qemu":
+            assert diff.buffer is buf and not diff.memory.exists()
+            assert GUEST_PAGES <= pages_of(diff.dirty_ranges)
+            await trio.to_thread.run_sync(memfile.materialize_packed, base.memory, diff.dirty_ranges,
+                                          buf.view[: diff.dirty_bytes], merged)
+        else:
+            assert diff.buffer is None and diff.memory.exists()
+            await trio.to_thread.run_sync(memfile.materialize, base.memory, [(diff.memory, diff.dirty_ranges)],
+                                          merged)
+        magic, tick = image_status(merged)
+        assert magic == MAGIC and tick >= base_tick + SWEEP_PAGES + 4
+        assert pattern_ok(merged)
+        cfg2 = tiny_config(workroot / "r2", tiny_kernel)
+        async with driver.restore(cfg2, diff.snapshot_files(merged)):
+            await wait_for_tick(cfg2.console_path, tick + 2)
+            assert console_ticks(cfg2.console_path)[0] in (tick, tick + 1)
+    finally:
+        buf.close()

@@ -387,7 +387,9 @@ class FirecrackerVm(Vm):
             await self._call("PATCH", "/vm", {"state": "Resumed"})
             self.state = VmState.RUNNING
 
-    async def capture(self, vmstate: Path, memory: Path, *, kind: CaptureKind = CaptureKind.FULL) -> CaptureResult:
+    async def capture(self, vmstate: Path, memory: Path, *, kind: CaptureKind = CaptureKind.FULL,
+                      buffer: Any = None) -> CaptureResult:
+        # `buffer` is not used: Firecracker writes its Diff snapshot's memory file itself.
         async with self._lock:
             t0 = time.perf_counter()
             if kind is CaptureKind.DIFF:

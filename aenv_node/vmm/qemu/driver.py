@@ -12,8 +12,22 @@ Memory is always a `memory-backend-file` (id `mem0`, the same at save and restor
   `migration.send-configuration=off`). `xen-load-devices-state` crashes QEMU 7.2: never used.
 
 Rules this driver enforces:
-* free page reporting only on memory the VM owns (host-facts DANGER: with `share=off` QEMU punches holes in
-  the backing file itself, corrupting a shared base image);
+* the balloon gives memory back (inflation, free page reporting) only where that cannot modify a memory
+  image another VM maps. QEMU 7.2's `ram_block_discard_range()` first punches a hole in the backing FILE
+  (`fallocate(PUNCH_HOLE|KEEP_SIZE)`: with `share=off` that zeroes the image under every VM that maps it,
+  host-facts DANGER), and only then `madvise(MADV_DONTNEED)`s its own mapping. So:
+  - memory the VM owns (anonymous, a booted VM's own `share=on` file, `mem_exclusive`): allowed as is;
+  - a copy-on-write map of a shared image (restores; `MemoryMode.PRIVATE` boots) with
+    `QemuDriver(cow_discard=True)`: QEMU runs under `seccomp.punch_hole_guard()`, which makes that
+    fallocate return 0 without running; QEMU then drops only its private copies (the range reads the
+    image again, which the guest treats as free memory anyway). Preconditions, checked at start: no drive
+    is a writable file (QEMU's raw file driver implements guest discards and write-zeroes-with-unmap with
+    the same fallocate, which would then "succeed" without zeroing: NBD drives and read-only drives are
+    fine), and the guest kernel is not booted with `init_on_free=1` (the guest would then take reported
+    pages to read as zeros; they read as the image). `page_poison=1` guests are safe but report nothing
+    (QEMU skips discards when the guest announces a poison value);
+  - otherwise free page reporting or a balloon target above 0 is refused (`BalloonNotAllowed`); a balloon
+    device that never inflates is allowed;
 * a booted VM whose memory file was handed over as the snapshot's image (`capture(memory=<its own file>)`)
   can no longer run: it would write into the snapshot. Otherwise that file is deleted when the VM exits.
 
@@ -34,7 +48,7 @@ from typing import Any
 
 import trio
 
-from .. import memfile, pagemap
+from .. import memfile, pagemap, seccomp
 from ..driver import (
     Accel,
     CaptureKind,
@@ -76,6 +90,8 @@ class QemuDriver:
     cache (16 MiB cuts QEMU's private memory from ~110 to ~48 MiB; a Linux boot is ~5x slower with it).
     restore_tb_size_mib: the TCG cache size for restored VMs (None: as booted ones).
     mem_merge: mark guest RAM mergeable for KSM (the host must run KSM: /sys/kernel/mm/ksm/run).
+    cow_discard: let VMs whose RAM maps a shared image copy-on-write use the balloon (inflation and free
+    page reporting) by running QEMU under the punch-hole guard (module docstring: preconditions).
     """
 
     name = "qemu"
@@ -90,8 +106,11 @@ class QemuDriver:
         op_timeout_s: float = 60.0,
         mem_merge: bool = False,
         restore_tb_size_mib: int | None = None,
+        cow_discard: bool = False,
     ) -> None:
         self.binary = binary
+        self.cow_discard = cow_discard
+        self._guard: seccomp.SeccompFilter | None = None  # built on first use, then shared
         self.mem_merge = mem_merge
         # A restored guest runs a small working set (a boot runs lots of code once): a smaller
         # translation cache costs it little and saves QEMU private memory per VM (density).
@@ -168,15 +187,48 @@ class QemuDriver:
                 argv += ["-global", "migration.send-configuration=off"]
         return argv
 
-    @staticmethod
-    def _check_balloon(config: VmConfig, *, owns_memory: bool) -> None:
+    def _discard_guard(self, config: VmConfig, *, owns_memory: bool) -> seccomp.SeccompFilter | None:
+        """The seccomp filter QEMU must run under for this VM's balloon to be safe (None: none needed).
+
+        Raises BalloonNotAllowed where the balloon could modify a memory image other VMs map.
+        """
         b = config.balloon
-        if b is not None and b.free_page_reporting and not owns_memory:
+        if b is None or owns_memory:
+            return None
+        if not self.cow_discard:
+            if b.free_page_reporting:
+                raise BalloonNotAllowed(
+                    "free page reporting with copy-on-write file-backed RAM makes QEMU 7.2 punch holes in the "
+                    "backing file, corrupting a shared memory image: use QemuDriver(cow_discard=True) (runs "
+                    "QEMU under a seccomp guard), set VmConfig.mem_exclusive=True only if this VM's memory "
+                    "file is its own copy, or disable free_page_reporting"
+                )
+            if b.amount_mib:
+                raise BalloonNotAllowed(
+                    "inflating the balloon of a VM with copy-on-write file-backed RAM makes QEMU 7.2 punch "
+                    "holes in the shared memory image: use QemuDriver(cow_discard=True) or amount_mib=0"
+                )
+            return None
+        unsafe = [d.source for d in config.drives if not d.is_nbd and not d.read_only]
+        if unsafe:
             raise BalloonNotAllowed(
-                "free page reporting with copy-on-write file-backed RAM makes QEMU 7.2 punch holes in the "
-                "backing file, corrupting a shared memory image: set VmConfig.mem_exclusive=True only if "
-                "this VM's memory file is its own copy, or disable free_page_reporting"
+                f"the balloon of a VM with copy-on-write RAM needs the punch-hole guard, which would also make "
+                f"guest discards and write-zeroes on writable file drives succeed without effect: "
+                f"{', '.join(unsafe)} (serve them over NBD or attach them read-only)"
             )
+        for arg in config.cmdline.split():
+            key, _, value = arg.partition("=")
+            if key == "init_on_free" and value.lower() in ("1", "on", "y", "yes", "true"):
+                raise BalloonNotAllowed(
+                    "the guest runs with init_on_free: it expects reported free pages to read as zeros, but "
+                    "with copy-on-write RAM they read as the memory image (drop init_on_free or the balloon)"
+                )
+        if self._guard is None:
+            reason = seccomp.seccomp_available()
+            if reason is not None:
+                raise BalloonNotAllowed(f"the punch-hole guard cannot run on this host: {reason}")
+            self._guard = seccomp.punch_hole_guard()
+        return self._guard
 
     # ---- boot / restore -----------------------------------------------------------------------------
 
@@ -196,12 +248,15 @@ class QemuDriver:
             mem_path, share, owns = config.mem_path, False, config.mem_exclusive
             if not mem_path.is_file() or mem_path.stat().st_size < config.mem_bytes:
                 raise VmmConfigError(f"PRIVATE memory needs an existing image of {config.mem_mib} MiB: {mem_path}")
-        self._check_balloon(config, owns_memory=owns)
+        guard = self._discard_guard(config, owns_memory=owns)
         argv = self._argv(config, mem_path=mem_path, share=share, incoming=None)
         vm: QemuVm | None = None
         try:
-            async with self._started(config, argv) as (proc, qmp):
-                vm = QemuVm(self, config, proc, qmp, mem_path=mem_path, shared=share, restored_from=None)
+            async with self._started(config, argv, guard) as (proc, qmp):
+                vm = QemuVm(
+                    self, config, proc, qmp, mem_path=mem_path, shared=share, restored_from=None,
+                    discard_safe=owns or guard is not None,
+                )  # fmt: skip
                 vm.state = VmState.RUNNING
                 if config.balloon is not None:
                     await vm._balloon_setup()
@@ -225,18 +280,28 @@ class QemuDriver:
                 f"the VM has {config.mem_bytes}"
             )
         config.workdir.mkdir(parents=True, exist_ok=True)
-        self._check_balloon(config, owns_memory=config.mem_exclusive)
+        guard = self._discard_guard(config, owns_memory=config.mem_exclusive)
         argv = self._argv(config, mem_path=snapshot.memory, share=False, incoming=snapshot.format)
-        async with self._started(config, argv) as (proc, qmp):
-            vm = QemuVm(self, config, proc, qmp, mem_path=snapshot.memory, shared=False, restored_from=snapshot)
+        async with self._started(config, argv, guard) as (proc, qmp):
+            vm = QemuVm(
+                self, config, proc, qmp, mem_path=snapshot.memory, shared=False, restored_from=snapshot,
+                discard_safe=config.mem_exclusive or guard is not None,
+            )  # fmt: skip
             await vm._incoming(snapshot, resume=resume)
             yield vm
 
     @asynccontextmanager
-    async def _started(self, config: VmConfig, argv: list[str]) -> AsyncIterator[tuple[VmmProcess, QmpClient]]:
+    async def _started(
+        self, config: VmConfig, argv: list[str], guard: seccomp.SeccompFilter | None = None
+    ) -> AsyncIterator[tuple[VmmProcess, QmpClient]]:
         sock = config.socket_path
         async with vmm_process(
-            argv, log_path=config.workdir / "qemu.log", sockets=[sock], netns=config.netns, cwd=config.workdir
+            argv,
+            log_path=config.workdir / "qemu.log",
+            sockets=[sock],
+            netns=config.netns,
+            cwd=config.workdir,
+            seccomp=guard,
         ) as proc:
             await proc.wait_for_socket(sock, self.start_timeout_s)
             try:
@@ -267,8 +332,11 @@ class QemuVm(Vm):
         mem_path: Path | None,
         shared: bool,
         restored_from: SnapshotFiles | None,
+        discard_safe: bool,
     ) -> None:
         super().__init__(config, restored_from=restored_from)
+        # The balloon may give memory back: the VM owns its RAM or QEMU runs under the punch-hole guard.
+        self.discard_safe = discard_safe
         self._driver = driver
         self._proc = proc
         self._qmp = qmp
@@ -370,16 +438,19 @@ class QemuVm(Vm):
             self.state = VmState.RUNNING
             self._clean_vmstate = None
 
-    async def capture(self, vmstate: Path, memory: Path, *, kind: CaptureKind = CaptureKind.FULL) -> CaptureResult:
+    async def capture(self, vmstate: Path, memory: Path, *, kind: CaptureKind = CaptureKind.FULL,
+                      buffer: Any = None) -> CaptureResult:
         async with self._lock:
             t0 = time.perf_counter()
             await self._pause_locked()
             if vmstate != self._clean_vmstate:
                 vmstate.unlink(missing_ok=True)
+            used_buffer = None
             if self.restored_from is None:
                 result = await self._capture_booted(vmstate, memory, kind)
             else:
-                result = await self._capture_restored(vmstate, memory, kind)
+                result = await self._capture_restored(vmstate, memory, kind, buffer)
+                used_buffer = result[2]
             return CaptureResult(
                 vmm="qemu",
                 kind=kind,
@@ -389,6 +460,7 @@ class QemuVm(Vm):
                 mem_size=self.config.mem_bytes,
                 dirty_ranges=result[1],
                 duration_s=time.perf_counter() - t0,
+                buffer=used_buffer,
             )
 
     async def _capture_booted(
@@ -429,17 +501,23 @@ class QemuVm(Vm):
         return SnapshotFormat.QEMU_MIGRATION, (MemoryRange(0, self.config.mem_bytes),)
 
     async def _capture_restored(
-        self, vmstate: Path, memory: Path, kind: CaptureKind
-    ) -> tuple[SnapshotFormat, tuple[MemoryRange, ...]]:
+        self, vmstate: Path, memory: Path, kind: CaptureKind, buffer: Any
+    ) -> tuple[SnapshotFormat, tuple[MemoryRange, ...], Any]:
         assert self.restored_from is not None
         base = self.restored_from.memory
         if memory.resolve() == base.resolve():
             raise SnapshotError(f"capture target {memory} is the image this VM was restored from")
         pid, size = self.pid, self.config.mem_bytes
+        used: list[Any] = []
 
         def write_memory() -> tuple[MemoryRange, ...]:
             maps = pagemap.find_mappings(pid, base)
             ranges = pagemap.pages_to_ranges(pagemap.dirty_page_indices(pid, maps))
+            if (kind is CaptureKind.DIFF and buffer is not None
+                    and sum(r.length for r in ranges) <= buffer.size):
+                pagemap.copy_to_buffer(pid, maps, ranges, buffer.address, buffer.size)
+                used.append(buffer)
+                return ranges
             if kind is CaptureKind.FULL:
                 memfile.copy_image(base, memory)
                 fd = os.open(memory, os.O_WRONLY)
@@ -457,10 +535,15 @@ class QemuVm(Vm):
         await self._cmd("xen-save-devices-state", {"filename": str(vmstate), "live": False})
         if kind is CaptureKind.FULL:
             ranges = (MemoryRange(0, size),)
-        return SnapshotFormat.QEMU_DEVICES, ranges
+        return SnapshotFormat.QEMU_DEVICES, ranges, used[0] if used else None
 
     async def balloon(self, amount_mib: int) -> None:
         self._check_balloon_amount(amount_mib)
+        if amount_mib and not self.discard_safe:
+            raise BalloonNotAllowed(
+                "inflating the balloon of a VM with copy-on-write file-backed RAM makes QEMU 7.2 punch holes "
+                "in the shared memory image: restore it with QemuDriver(cow_discard=True)"
+            )
         # QMP `balloon` takes the guest's target memory size, not the balloon's.
         await self._cmd("balloon", {"value": (self.config.mem_mib - amount_mib) << 20})
 
