@@ -144,3 +144,258 @@ def test_second_node_resumes_a_sandbox_paused_on_the_first(monkeypatch: pytest.M
             stop_node(n.proc)
         for d in [repo, *states]:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _pointer(repo: Path, sandbox_id: str) -> dict | None:
+    """The sandbox's record in a posix_fs repository (pointer + ownership), or None."""
+    import json
+
+    p = repo / "manifests" / f"sandbox-{sandbox_id}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _wait_publishes(node: NodeProcess, sandbox_id: str, count: int, timeout: float = 180) -> list[str]:
+    """Wait for ``count`` snapshot_publish events of the sandbox on ``node``; their ``detail`` JSON."""
+    deadline = time.monotonic() + timeout
+    q = (f"SELECT detail FROM events WHERE sandbox_id = '{sandbox_id}' AND operation = 'snapshot_publish' "
+         "ORDER BY id")
+    while time.monotonic() < deadline and len(node.sql(q)) < count:
+        time.sleep(0.5)
+    rows = [r[0] for r in node.sql(q)]
+    assert len(rows) >= count, node.log()[-3000:]
+    return rows
+
+
+def test_only_one_node_runs_a_sandbox_shared_through_the_repository(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two live nodes share a posix_fs repository. A pauses a sandbox, B resumes it; A is then refused
+    (409 naming B) and starts nothing; B pauses it and A resumes B's newer copy; a kill on the owner removes
+    the record, and a kill racing a publish leaves none."""
+    import json
+
+    from e2b.exceptions import SandboxException
+
+    tag = f"{os.getpid()}-{random.randrange(10**6)}"
+    repo = Path("/var/tmp") / f"aenv-owner-repo-{tag}"
+    states = [Path("/var/tmp") / f"aenv-owner-{n}-{tag}" for n in ("a", "b")]
+    pools = [free_pool_cidr()]
+    while len(pools) < 2:
+        cand = free_pool_cidr()
+        if cand not in pools:
+            pools.append(cand)
+    nodes: list[NodeProcess] = []
+
+    def use(n: NodeProcess) -> None:
+        for k, v in n.sdk_env().items():
+            monkeypatch.setenv(k, v)
+
+    try:
+        a = _start(states[0], free_port(), pools[0], AENV_STORAGE_REPOSITORY_PATH=str(repo),
+                   AENV_NODE_NODE_ID="node-a")
+        nodes.append(a)
+        b = _start(states[1], free_port(), pools[1], AENV_STORAGE_REPOSITORY_PATH=str(repo),
+                   AENV_NODE_NODE_ID="node-b")
+        nodes.append(b)
+
+        # A creates and pauses it: the record says paused, owned by A
+        use(a)
+        sb = Sandbox.create()
+        sid = sb.sandbox_id
+        sb.files.write("/home/user/log.txt", "v1 on A")
+        sb.pause()
+        _wait_publishes(a, sid, 1)
+        rec = _pointer(repo, sid)
+        assert rec is not None and rec["state"] == "paused" and rec["owner"].startswith("node-a/"), rec
+        gen_paused_on_a = rec["generation"]
+
+        # B resumes it (imports it): the record says running on B
+        use(b)
+        on_b = Sandbox.connect(sid)
+        assert on_b.files.read("/home/user/log.txt") == "v1 on A"
+        on_b.files.write("/home/user/log.txt", "v2 on B")
+        rec = _pointer(repo, sid)
+        assert rec["state"] == "running" and rec["owner"].startswith("node-b/") \
+            and rec["generation"] == gen_paused_on_a + 1, rec
+
+        # A may not resume it now: 409 naming B, and A starts no VM
+        use(a)
+        with a.api() as c:
+            r = c.post(f"/v2/sandboxes/{sid}/connect", json={})
+        assert r.status_code == 409, r.text
+        assert f"sandbox {sid} is running on node node-b/" in r.json()["message"]
+        with pytest.raises(SandboxException, match="409.*running on node node-b/"):
+            Sandbox.connect(sid)
+        assert a.sql(f"SELECT state, vmm_pid FROM sandboxes WHERE id = '{sid}'") == [("paused", None)]
+        assert a.sql(f"SELECT count(*) FROM events WHERE sandbox_id = '{sid}' AND to_state = 'resuming'") \
+            == [(0,)]
+        assert _pointer(repo, sid)["owner"].startswith("node-b/")  # untouched by the refusals
+
+        # B pauses it: paused at B's snapshot, owned by B
+        use(b)
+        on_b.pause()
+        _wait_publishes(b, sid, 1)
+        b_snap = b.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sid}'")[0][0]
+        rec = _pointer(repo, sid)
+        assert rec["state"] == "paused" and rec["owner"].startswith("node-b/") and rec["snapshot_id"] == b_snap
+
+        # A resumes it again: its own copy is stale, so it imports B's snapshot and sees B's write
+        use(a)
+        a_old_snap = a.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sid}'")[0][0]
+        back = Sandbox.connect(sid)
+        assert back.files.read("/home/user/log.txt") == "v2 on B"
+        assert a_old_snap != b_snap
+        assert a.sql(f"SELECT count(*) FROM events WHERE sandbox_id = '{sid}' AND operation = 'import'") \
+            == [(1,)]
+        assert _pointer(repo, sid)["owner"].startswith("node-a/")
+        back.files.write("/home/user/log.txt", "v3 on A")
+        back.pause()
+        _wait_publishes(a, sid, 2)
+
+        # B resumes A's newer copy, then kills it: the owner's kill removes the record
+        use(b)
+        last = Sandbox.connect(sid)
+        assert last.files.read("/home/user/log.txt") == "v3 on A"
+        assert _pointer(repo, sid)["owner"].startswith("node-b/")
+        last.kill()
+        assert _pointer(repo, sid) is None
+        # ... and A's stale copy (published, record gone) does not come back
+        use(a)
+        with a.api() as c:
+            r = c.post(f"/v2/sandboxes/{sid}/connect", json={})
+        assert r.status_code == 404 and "killed on another node" in r.json()["message"], r.text
+        assert a.sql(f"SELECT count(*) FROM events WHERE sandbox_id = '{sid}' AND to_state = 'resuming'") \
+            == [(1,)]  # only the resume of B's copy above
+
+        # a kill right after a pause races the background publish: no record survives either way
+        racer = Sandbox.create()
+        racer.files.write("/home/user/big.bin", "x" * (8 << 20))  # a bigger upper: a slower publish
+        racer.pause()
+        Sandbox.kill(racer.sandbox_id)
+        assert _pointer(repo, racer.sandbox_id) is None
+        deadline = time.monotonic() + 180
+        snap = a.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{racer.sandbox_id}'")[0][0]
+        while time.monotonic() < deadline and not a.sql(
+                f"SELECT 1 FROM events WHERE sandbox_id = '{racer.sandbox_id}' AND operation = 'snapshot_publish'") \
+                and f"publishing snapshot {snap} failed" not in a.log():
+            time.sleep(0.5)
+        detail = a.sql(f"SELECT detail FROM events WHERE sandbox_id = '{racer.sandbox_id}' "
+                       "AND operation = 'snapshot_publish'")
+        print("publish racing the kill:", detail or "failed (its files went with the kill)")
+        assert detail or f"publishing snapshot {snap} failed" in a.log()  # the publish did end
+        assert _pointer(repo, racer.sandbox_id) is None
+        if detail:
+            assert json.loads(detail[0][0])["pointer"] in ("killed", "written")
+    finally:
+        for name, n in zip("ab", nodes):
+            stop_node(n.proc)
+            try:  # for post-mortems: the state directories go away
+                shutil.copy(n.log_path, Path("/var/tmp") / f"aenv-owner-last-node-{name}.log")
+            except OSError:
+                pass
+        for d in [repo, *states]:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# -- the publish/kill/claim rules against a real database and repository (no guest) ---------------------------
+def _paused_sandbox_db(tmp_path: Path, sid: str, snap: str, *, published: bool = False):  # type: ignore[no-untyped-def]
+    from aenv_node.state import Database, Sandbox, SandboxState, Snapshot
+    from aenv_node.state.repository import insert_sandbox
+
+    db = Database(tmp_path / "aenv.db")
+    db.upgrade()
+    with db.session() as s:
+        s.add(Snapshot(id=snap, kind="pause", status="committed", config={"published": published}))
+        s.flush()
+        insert_sandbox(s, Sandbox(id=sid, template_id="base", snapshot_id=snap,
+                                  state=SandboxState.PAUSED.value))
+    return db
+
+
+def _kill_row(db, sid: str) -> None:  # type: ignore[no-untyped-def]
+    from aenv_node.state import SandboxState
+    from aenv_node.state.repository import transition
+
+    with db.session() as s:
+        transition(s, sid, SandboxState.KILLING, operation="kill")
+        transition(s, sid, SandboxState.KILLED, operation="kill")
+
+
+@pytest.mark.parametrize("kill_at", ["before_publish", "during_write", "after_publish"])
+async def test_publish_racing_a_kill_leaves_no_record(tmp_path: Path, kill_at: str) -> None:
+    """The kill (row killed, then the owner's record deleted) lands before the publish looks at the row, between
+    that look and the record write (forced with a repository whose write first lets the kill run), or after the
+    write: in every order no record survives."""
+    from aenv_node.snapshot.persist import _publish_pointer, forget_published
+    from aenv_node.storage.repository import PosixFsRepository
+
+    sid, snap, me = "irace0000000000000001", "pause-1", "node-a/abcd"
+    db = _paused_sandbox_db(tmp_path, sid, snap)
+
+    class KillDuringWrite(PosixFsRepository):
+        def release_sandbox(self, *a, **kw):  # type: ignore[no-untyped-def]
+            _kill_row(db, sid)  # the kill's two steps, both before this write
+            assert forget_published(self, sid, me) is False  # nothing to delete yet
+            return super().release_sandbox(*a, **kw)
+
+    repo = (KillDuringWrite if kill_at == "during_write" else PosixFsRepository)(tmp_path / "repo")
+    if kill_at == "before_publish":
+        _kill_row(db, sid)
+        assert forget_published(repo, sid, me) is False
+    outcome, _ = await _publish_pointer(db, repo, sid, snap, me)
+    if kill_at == "after_publish":
+        assert outcome == "written" and repo.get_ownership(sid) is not None
+        _kill_row(db, sid)
+        assert forget_published(repo, sid, me) is True
+    else:
+        assert outcome == "killed"
+    assert repo.get_ownership(sid) is None
+
+
+async def test_publish_and_claim_rules(tmp_path: Path) -> None:
+    """Publish only over an absent record or this node's own, only while the row is paused at that snapshot;
+    a claim is refused while another node runs the sandbox, and a published copy whose record is gone is
+    refused as killed elsewhere."""
+    from aenv_node.snapshot.persist import _publish_pointer, claim_for_resume
+    from aenv_node.storage.repository import (
+        OwnershipConflict,
+        OwnershipLost,
+        PosixFsRepository,
+    )
+
+    sid, snap = "irules000000000000001", "pause-1"
+    db = _paused_sandbox_db(tmp_path, sid, snap)
+    repo = PosixFsRepository(tmp_path / "repo")
+    assert (await _publish_pointer(db, repo, sid, "pause-0", "a/1"))[0] == "superseded"  # not its snapshot
+    assert repo.get_ownership(sid) is None
+    assert await _publish_pointer(db, repo, sid, snap, "a/1") == ("written", 1)
+    repo.claim_sandbox(sid, "b/2")
+    assert (await _publish_pointer(db, repo, sid, snap, "a/1"))[0] == "moved"  # b runs it now
+    with pytest.raises(OwnershipConflict, match=f"sandbox {sid} is running on node b/2"):
+        await claim_for_resume(db, repo, tmp_path / "snapshots", sid, "a", "a/1")
+    assert repo.get_ownership(sid).owner == "b/2"  # type: ignore[union-attr]
+    repo.release_sandbox(sid, "b/2", snap)  # b paused it at the same snapshot: a's copy is current
+    claim = await claim_for_resume(db, repo, tmp_path / "snapshots", sid, "a", "a/1")
+    assert claim is not None and claim.imported is None and claim.record.owner == "a/1"
+    assert claim.previous is not None and claim.previous.owner == "b/2"
+    assert repo.drop_ownership(sid, "a/1")
+    with pytest.raises(OwnershipLost, match="killed on another node"):  # a's snapshot was published
+        await claim_for_resume(db, repo, tmp_path / "snapshots", sid, "a", "a/1")
+    assert await claim_for_resume(db, repo, tmp_path / "snapshots", "inowhere", "a", "a/1") is None
+
+
+async def test_settle_record_after_an_unplanned_end(tmp_path: Path) -> None:
+    """A sandbox that ended here without a kill (VMM died, node shut down) leaves no record saying it runs
+    here; a paused one keeps its record; another node's record is not ours to delete."""
+    from aenv_node.snapshot.persist import settle_record
+    from aenv_node.storage.repository import PosixFsRepository
+
+    sid, snap = "isettle00000000000001", "pause-1"
+    db = _paused_sandbox_db(tmp_path, sid, snap)
+    repo = PosixFsRepository(tmp_path / "repo")
+    repo.claim_sandbox(sid, "a/1")
+    assert await settle_record(db, repo, sid, "a/1") is False  # paused: left to the publish
+    assert repo.get_ownership(sid) is not None
+    _kill_row(db, sid)
+    assert await settle_record(db, repo, sid, "b/2") is False  # not b's
+    assert repo.get_ownership(sid).owner == "a/1"  # type: ignore[union-attr]
+    assert await settle_record(db, repo, sid, "a/1") is True
+    assert repo.get_ownership(sid) is None

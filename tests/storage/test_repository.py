@@ -14,19 +14,33 @@ from typing import Iterator
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from s3server import ACCESS_KEY, REGION, SECRET_KEY, delete_bucket, make_s3_repository, moto_endpoint  # noqa: F401
+from s3server import (  # noqa: F401
+    ACCESS_KEY,
+    REGION,
+    SECRET_KEY,
+    big_s3,
+    delete_bucket,
+    make_s3_repository,
+    moto_endpoint,
+)
 
 from aenv_node.storage.repository import (
+    OWNER_PAUSED,
+    OWNER_RUNNING,
     DigestMismatch,
     IncompleteSnapshot,
     InvalidName,
     LayerNotFound,
     ManifestNotFound,
+    OwnershipChanged,
+    OwnershipConflict,
+    OwnershipUnsupported,
     PosixFsRepository,
     Repository,
     RepositoryUnavailable,
     layer_key,
     open_repository,
+    sandbox_record_id,
 )
 
 MiB = 1024 * 1024
@@ -358,3 +372,174 @@ def test_open_repository(tmp_path: Path, moto_endpoint: str) -> None:
         open_repository("ftp")
     with pytest.raises(ValueError, match="region"):
         open_repository("s3", bucket="b", region="")
+
+
+# -- sandbox ownership (compare-and-swap) ---------------------------------------------------------------------
+
+
+def test_ownership_lifecycle(repo: Repository) -> None:
+    sid = "i0123456789abcdef0123"
+    assert repo.get_ownership(sid) is None
+    assert repo.drop_ownership(sid, "a") is False
+    # a first pause publishes: absent -> paused, owner a
+    r1 = repo.release_sandbox(sid, "a", "snap-1")
+    assert (r1.owner, r1.state, r1.generation, r1.snapshot_id) == ("a", OWNER_PAUSED, 1, "snap-1")
+    assert repo.get_ownership(sid) == r1
+    doc = repo.get_manifest(sandbox_record_id(sid))
+    assert doc["snapshot_id"] == "snap-1" and doc["published_at"] > 0  # still the pointer importers read
+    # b claims it (paused: anyone may); the snapshot it names stays
+    r2 = repo.claim_sandbox(sid, "b")
+    assert (r2.owner, r2.state, r2.generation, r2.snapshot_id) == ("b", OWNER_RUNNING, 2, "snap-1")
+    # now a may neither claim, publish nor delete it
+    with pytest.raises(OwnershipConflict, match="is running on node b") as ei:
+        repo.claim_sandbox(sid, "a")
+    assert ei.value.owner == "b" and ei.value.state == OWNER_RUNNING
+    with pytest.raises(OwnershipConflict):
+        repo.release_sandbox(sid, "a", "snap-x")
+    with pytest.raises(OwnershipConflict):
+        repo.drop_ownership(sid, "a")
+    assert repo.get_ownership(sid) == r2
+    # the owner re-claims idempotently, then pauses it at a newer snapshot
+    assert repo.claim_sandbox(sid, "b").generation == 3
+    r4 = repo.release_sandbox(sid, "b", "snap-2")
+    assert (r4.owner, r4.state, r4.generation, r4.snapshot_id) == ("b", OWNER_PAUSED, 4, "snap-2")
+    # a swap against a version that moved on is refused, never applied
+    stale = r1  # paused, as first read: the decision to claim was right then
+    with pytest.raises(OwnershipChanged):
+        repo.claim_sandbox(sid, "a", expect=stale)
+    with pytest.raises(OwnershipChanged):
+        repo.claim_sandbox(sid, "a", expect=None)  # "create": but it exists
+    with pytest.raises(OwnershipChanged):
+        repo.drop_ownership(sid, "b", expect=r2)
+    assert repo.get_ownership(sid) == r4
+    assert repo.drop_ownership(sid, "b") is True
+    assert repo.get_ownership(sid) is None and not repo.has_manifest(sandbox_record_id(sid))
+    with pytest.raises(OwnershipChanged):
+        repo.release_sandbox(sid, "b", "snap-3", expect=r4)  # "replace": but it is gone
+    # a pointer written before ownership existed: paused, nobody's, generation 0
+    repo.put_manifest(sandbox_record_id(sid), {"sandbox_id": sid, "snapshot_id": "snap-old", "published_at": 1.0})
+    legacy = repo.get_ownership(sid)
+    assert legacy is not None and (legacy.owner, legacy.state, legacy.generation) == ("", OWNER_PAUSED, 0)
+    claimed = repo.claim_sandbox(sid, "c")
+    assert (claimed.owner, claimed.generation, claimed.snapshot_id) == ("c", 1, "snap-old")
+    assert repo.drop_ownership(sid, "c")
+    no_leftovers(repo)
+
+
+def _race(repo: Repository, sid: str, contenders: int) -> list[object]:
+    """``contenders`` threads claim ``sid`` at once; each returns its Ownership or the exception."""
+    barrier = threading.Barrier(contenders)
+    results: list[object] = [None] * contenders
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = repo.claim_sandbox(sid, f"node-{i}")
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            results[i] = exc
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(contenders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+@pytest.mark.parametrize("initial", ["absent", "paused"])
+def test_ownership_claim_race_threads(repo: Repository, initial: str) -> None:
+    """Eight threads claim the same sandbox at once, ten rounds: exactly one wins each round, every other
+    gets OwnershipConflict naming the winner, and the record names the winner."""
+    for round_ in range(10):
+        sid = f"irace{round_:02d}{initial}"
+        if initial == "paused":
+            repo.release_sandbox(sid, "pauser", f"snap-{round_}")
+        results = _race(repo, sid, 8)
+        wins = [r for r in results if not isinstance(r, Exception)]
+        losses = [r for r in results if isinstance(r, Exception)]
+        assert len(wins) == 1, results
+        winner = wins[0].owner  # type: ignore[attr-defined]
+        assert all(isinstance(e, OwnershipConflict) and e.owner == winner for e in losses), losses
+        rec = repo.get_ownership(sid)
+        assert rec is not None and rec.owner == winner and rec.state == OWNER_RUNNING
+        assert rec.generation == (2 if initial == "paused" else 1)
+    no_leftovers(repo)
+
+
+def _claim_in_process(root: str, sid: str, name: str, barrier, out) -> None:  # type: ignore[no-untyped-def]
+    r = PosixFsRepository(root)
+    barrier.wait()
+    try:
+        out.put((name, "won", r.claim_sandbox(sid, name).generation))
+    except OwnershipConflict as exc:
+        out.put((name, "conflict", exc.owner))
+    except Exception as exc:  # noqa: BLE001
+        out.put((name, "error", repr(exc)))
+
+
+def test_ownership_claim_race_processes(tmp_path: Path) -> None:
+    """Separate processes (each with its own repository object, as two nodes on one host) race to claim the
+    same paused sandbox through a posix_fs repository: the flock makes exactly one win, every round."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    root = str(tmp_path / "repo")
+    PosixFsRepository(root).release_sandbox("iproc", "pauser", "snap-0")
+    for round_ in range(5):
+        sid = f"iproc{round_}"
+        PosixFsRepository(root).release_sandbox(sid, "pauser", "snap-0")
+        barrier, out = ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_claim_in_process, args=(root, sid, f"p{i}", barrier, out)) for i in range(6)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        won = [r for r in results if r[1] == "won"]
+        assert len(won) == 1, results
+        assert all(r[1] == "conflict" and r[2] == won[0][0] for r in results if r is not won[0]), results
+        rec = PosixFsRepository(root).get_ownership(sid)
+        assert rec is not None and rec.owner == won[0][0] and rec.generation == 2
+
+
+def test_s3_conditional_writes_probe(moto_endpoint: str) -> None:
+    """moto honours If-None-Match / If-Match on PUT and If-Match on DELETE: the probe says so; with deletes
+    assumed unconditional, a drop fences the record first and still removes it."""
+    repo = make_s3_repository(moto_endpoint)
+    try:
+        repo.require_conditional_writes()
+        assert repo.conditional_writes is True and repo.conditional_deletes is True
+        assert repo.list_manifests() == []  # the probe cleaned up after itself
+        repo.release_sandbox("ifence", "a", "snap-1")
+        repo.conditional_deletes = False
+        rec = repo.get_ownership("ifence")
+        repo.claim_sandbox("ifence", "a")
+        with pytest.raises(OwnershipChanged):  # the fence is itself a compare-and-swap
+            repo.drop_ownership("ifence", "a", expect=rec)
+        assert repo.drop_ownership("ifence", "a") is True
+        assert repo.get_ownership("ifence") is None
+    finally:
+        delete_bucket(repo)
+
+
+def test_s3_server_without_conditional_writes_is_refused(big_s3) -> None:  # type: ignore[no-untyped-def]
+    """s3rver answers 200 to a PUT whose If-None-Match / If-Match fails: the backend finds out with its probe
+    and refuses ownership writes (reads still work) instead of pretending to be single-writer."""
+    if big_s3.kind != "s3rver":
+        pytest.skip("s3rver is not installed (scripts/setup.d/55-s3rver.sh)")
+    repo = make_s3_repository(big_s3)
+    try:
+        repo.put_manifest(sandbox_record_id("iold"), {"sandbox_id": "iold", "snapshot_id": "snap-1"})
+        with pytest.raises(OwnershipUnsupported, match="ignores conditional writes"):
+            repo.claim_sandbox("iold", "a")
+        assert repo.conditional_writes is False
+        with pytest.raises(OwnershipUnsupported):
+            repo.release_sandbox("inew", "a", "snap-2")
+        with pytest.raises(OwnershipUnsupported):
+            repo.drop_ownership("iold", "a")
+        rec = repo.get_ownership("iold")
+        assert rec is not None and rec.snapshot_id == "snap-1" and rec.owner == ""  # untouched
+        assert sorted(repo.list_manifests()) == [sandbox_record_id("iold")]
+    finally:
+        delete_bucket(repo)

@@ -8,13 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import CommitResult, Repository, digest_of_file, layer_key, manifest_key
+from .base import (
+    OWNER_PAUSED,
+    OWNER_RUNNING,
+    CommitResult,
+    Ownership,
+    Repository,
+    digest_of_file,
+    layer_key,
+    manifest_key,
+    sandbox_record_id,
+)
 from .errors import (
     DigestMismatch,
     IncompleteSnapshot,
     InvalidName,
     LayerNotFound,
     ManifestNotFound,
+    OwnershipChanged,
+    OwnershipConflict,
+    OwnershipError,
+    OwnershipLost,
+    OwnershipUnsupported,
     RepositoryError,
     RepositoryUnavailable,
 )
@@ -36,6 +51,15 @@ __all__ = [
     "DigestMismatch",
     "InvalidName",
     "IncompleteSnapshot",
+    "Ownership",
+    "OWNER_PAUSED",
+    "OWNER_RUNNING",
+    "sandbox_record_id",
+    "OwnershipError",
+    "OwnershipConflict",
+    "OwnershipChanged",
+    "OwnershipUnsupported",
+    "OwnershipLost",
 ]
 
 KINDS = ("posix_fs", "s3")

@@ -14,6 +14,17 @@ multipart upload in S3).
 
 All methods are blocking and thread-safe: async callers use ``trio.to_thread.run_sync``; the block engine calls
 ``read_range`` from its own OS threads (through the local cache).
+
+**Sandbox ownership** (single-writer across nodes).  A sandbox's ``sandbox-<id>`` manifest is both the pointer
+to its newest published snapshot and its ownership record: ``owner`` (the node that last claimed or published
+it), ``state`` (``paused``: any node may claim it; ``running``: that node runs it) and ``generation`` (bumped by
+every write).  It is one document on purpose: "which snapshot is newest" and "who may run it" change together
+(a publish sets both), and one object is one compare-and-swap, so no reader ever sees a pointer and an owner
+that disagree.  Every change is a compare-and-swap against the version the caller read (``Ownership.token``):
+the backend primitives ``_get_versioned`` / ``_put_if`` / ``_delete_if`` are a lock around read-compare-write
+(posix_fs) or conditional requests (S3 ``If-None-Match: *`` / ``If-Match: <etag>``).  A backend that cannot do
+that raises ``OwnershipUnsupported`` instead of writing without the guarantee.  A pointer written before
+ownership existed (no ``owner``) reads as ``paused``, owned by nobody, generation 0.
 """
 
 from __future__ import annotations
@@ -23,10 +34,18 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
-from .errors import DigestMismatch, IncompleteSnapshot, InvalidName
+from .errors import (
+    DigestMismatch,
+    IncompleteSnapshot,
+    InvalidName,
+    OwnershipChanged,
+    OwnershipConflict,
+    OwnershipUnsupported,
+)
 
 __all__ = [
     "Repository",
@@ -38,6 +57,10 @@ __all__ = [
     "digest_of_file",
     "encode_manifest",
     "decode_manifest",
+    "Ownership",
+    "OWNER_PAUSED",
+    "OWNER_RUNNING",
+    "sandbox_record_id",
 ]
 
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
@@ -104,6 +127,55 @@ def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
 
 def decode_manifest(data: bytes) -> dict[str, Any]:
     return json.loads(data)
+
+
+#: Ownership states: ``paused`` = any node may claim the sandbox; ``running`` = the owner runs it;
+#: ``deleting`` = the owner is removing the record (a fence some S3 backends need before a delete).
+OWNER_PAUSED = "paused"
+OWNER_RUNNING = "running"
+OWNER_DELETING = "deleting"
+
+#: How often a claim/publish/delete re-reads and retries after losing a compare-and-swap to a concurrent writer.
+CAS_RETRIES = 8
+
+
+def sandbox_record_id(sandbox_id: str) -> str:
+    """The manifest id of a sandbox's pointer + ownership record."""
+    return f"sandbox-{sandbox_id}"
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """A sandbox's ownership record as read (``token`` is the backend's version of it, for compare-and-swap)."""
+
+    sandbox_id: str
+    owner: str  # "" for a pointer written before ownership existed: nobody owns it
+    state: str  # paused | running | deleting
+    generation: int
+    snapshot_id: Optional[str]  # the newest published snapshot (None: claimed before any publish)
+    updated_at: float
+    token: str = field(default="", compare=False, repr=False)
+    doc: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def parse(cls, sandbox_id: str, data: bytes, token: str) -> "Ownership":
+        doc = decode_manifest(data)
+        return cls(sandbox_id=sandbox_id, owner=str(doc.get("owner") or ""),
+                   state=str(doc.get("state") or OWNER_PAUSED), generation=int(doc.get("generation") or 0),
+                   snapshot_id=doc.get("snapshot_id"),
+                   updated_at=float(doc.get("updated_at") or doc.get("published_at") or 0.0),
+                   token=token, doc=doc)
+
+    def held_by_other(self, owner: str) -> bool:
+        """True if another node holds it (running, or deleting): ``owner`` may not claim it."""
+        return self.state != OWNER_PAUSED and self.owner not in ("", owner)
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {**self.doc, "sandbox_id": self.sandbox_id, "snapshot_id": self.snapshot_id, "owner": self.owner,
+                "state": self.state, "generation": self.generation, "updated_at": self.updated_at}
+
+
+_READ: Any = object()  # "read the record yourself" (the default of ``expect``)
 
 
 @dataclass
@@ -178,6 +250,99 @@ class Repository(abc.ABC):
 
     @abc.abstractmethod
     def delete_manifest(self, manifest_id: str) -> None: ...
+
+    # -- sandbox ownership (single-writer across nodes) ----------------------------------------------------
+    def get_ownership(self, sandbox_id: str) -> Optional[Ownership]:
+        """The sandbox's record, or None if it has none (never published, or killed)."""
+        got = self._get_versioned(sandbox_record_id(sandbox_id))
+        return None if got is None else Ownership.parse(sandbox_id, *got)
+
+    def claim_sandbox(self, sandbox_id: str, owner: str, *, expect: Any = _READ) -> Ownership:
+        """Claim a sandbox to run it: (absent | ``paused`` | held by ``owner``) -> ``running``, owned by ``owner``.
+
+        ``OwnershipConflict`` if another node holds it.  With ``expect`` (a record the caller read and decided
+        on, or None for "absent"), the swap is against exactly that version and ``OwnershipChanged`` is raised
+        if it moved on; without it the record is read here and the swap retried on a lost race.
+        """
+        def step(cur: Optional[Ownership]) -> Ownership:
+            if cur is not None and cur.held_by_other(owner):
+                raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "resume")
+            return self._next(sandbox_id, cur, owner=owner, state=OWNER_RUNNING,
+                              snapshot_id=cur.snapshot_id if cur is not None else None)
+
+        return self._cas_loop(sandbox_id, expect, step)  # type: ignore[return-value]
+
+    def release_sandbox(self, sandbox_id: str, owner: str, snapshot_id: Optional[str], *,
+                        expect: Any = _READ) -> Ownership:
+        """Publish a pause: (absent | owned by ``owner`` | legacy) -> ``paused`` at ``snapshot_id``, owner ``owner``.
+
+        ``OwnershipConflict`` if another node owns the record (it claimed the sandbox meanwhile: this node's
+        copy is not the newest any more).  ``expect`` as in ``claim_sandbox``.
+        """
+        def step(cur: Optional[Ownership]) -> Ownership:
+            if cur is not None and cur.owner not in ("", owner):
+                raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "publish")
+            new = self._next(sandbox_id, cur, owner=owner, state=OWNER_PAUSED, snapshot_id=snapshot_id)
+            return replace(new, doc={**new.doc, "published_at": new.updated_at})
+
+        return self._cas_loop(sandbox_id, expect, step)  # type: ignore[return-value]
+
+    def drop_ownership(self, sandbox_id: str, owner: str, *, expect: Any = _READ) -> bool:
+        """Delete the record if ``owner`` owns it (or it is a legacy pointer); False if there is none.
+
+        ``OwnershipConflict`` if another node owns it (it is not this node's to delete)."""
+        def step(cur: Optional[Ownership]) -> Optional[Ownership]:
+            if cur is None:
+                return None
+            if cur.owner not in ("", owner):
+                raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "delete")
+            return cur
+
+        return self._cas_loop(sandbox_id, expect, step, delete=True) is not None
+
+    def _next(self, sandbox_id: str, cur: Optional[Ownership], *, owner: str, state: str,
+              snapshot_id: Optional[str]) -> Ownership:
+        return Ownership(sandbox_id=sandbox_id, owner=owner, state=state,
+                         generation=(cur.generation if cur is not None else 0) + 1, snapshot_id=snapshot_id,
+                         updated_at=time.time(), doc=dict(cur.doc) if cur is not None else {})
+
+    def _cas_loop(self, sandbox_id: str, expect: Any, step: Any, *, delete: bool = False) -> Optional[Ownership]:
+        mid = sandbox_record_id(sandbox_id)
+        for _ in range(CAS_RETRIES):
+            cur = self.get_ownership(sandbox_id) if expect is _READ else expect
+            new = step(cur)
+            try:
+                if delete:
+                    if new is not None:
+                        self._delete_if(mid, new.token)
+                    return new
+                token = self._put_if(mid, encode_manifest(new.to_manifest()), cur.token if cur is not None else None)
+                return replace(new, token=token)
+            except OwnershipChanged:
+                if expect is not _READ:
+                    raise
+        raise OwnershipChanged(sandbox_id, f"lost {CAS_RETRIES} compare-and-swaps in a row to other writers")
+
+    def _get_versioned(self, manifest_id: str) -> Optional[tuple[bytes, str]]:
+        """A manifest's bytes and a version token (changes whenever the bytes do), or None if absent."""
+        from .errors import ManifestNotFound
+
+        try:
+            data = self._get_manifest_bytes(check_manifest_id(manifest_id))
+        except ManifestNotFound:
+            return None
+        return data, hashlib.sha256(data).hexdigest()[:32]
+
+    def _put_if(self, manifest_id: str, data: bytes, expect_token: Optional[str]) -> str:
+        """Write the manifest only if its current version is ``expect_token`` (None: only if it is absent);
+        return the new version.  ``OwnershipChanged`` if the precondition fails."""
+        raise OwnershipUnsupported(f"the {self.kind or type(self).__name__} repository cannot compare-and-swap: "
+                                   "sandbox ownership cannot be enforced on it")
+
+    def _delete_if(self, manifest_id: str, expect_token: str) -> None:
+        """Delete the manifest only if its current version is ``expect_token`` (``OwnershipChanged`` if not)."""
+        raise OwnershipUnsupported(f"the {self.kind or type(self).__name__} repository cannot compare-and-swap: "
+                                   "sandbox ownership cannot be enforced on it")
 
     # -- housekeeping -------------------------------------------------------------------------------------
     @abc.abstractmethod

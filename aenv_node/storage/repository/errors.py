@@ -17,6 +17,11 @@ __all__ = [
     "DigestMismatch",
     "InvalidName",
     "IncompleteSnapshot",
+    "OwnershipError",
+    "OwnershipConflict",
+    "OwnershipChanged",
+    "OwnershipUnsupported",
+    "OwnershipLost",
 ]
 
 
@@ -75,3 +80,56 @@ class IncompleteSnapshot(RepositoryError):
             f"snapshot {manifest_id!r} names {len(missing)} layer(s) missing from the repository "
             f"and not given to upload: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
         )
+
+
+class OwnershipError(RepositoryError):
+    """Base of the errors of a sandbox's ownership record (single-writer across nodes)."""
+
+
+class OwnershipConflict(OwnershipError):
+    """Another node owns the sandbox: it runs it there (or, for a publish or a delete, it moved there).
+
+    ``owner`` is that node's owner id (``<node id>/<state-dir tag>``), ``state`` what the record says
+    (``running`` or ``paused``)."""
+
+    def __init__(self, sandbox_id: str, owner: str, state: str, action: str = "") -> None:
+        self.sandbox_id = sandbox_id
+        self.owner = owner
+        self.state = state
+        self.action = action
+        if state == "running":
+            msg = f"sandbox {sandbox_id} is running on node {owner}"
+        else:
+            msg = f"sandbox {sandbox_id} is owned by node {owner} (it is {state} there)"
+        super().__init__(msg + (f": cannot {action} it here" if action else ""))
+
+
+class OwnershipChanged(OwnershipError):
+    """A compare-and-swap lost: the record changed (or appeared, or vanished) since it was read.
+
+    Callers re-read the record and decide again; it is never a reason to overwrite."""
+
+    def __init__(self, sandbox_id: str, detail: str = "") -> None:
+        self.sandbox_id = sandbox_id
+        super().__init__(f"the ownership record of sandbox {sandbox_id} changed meanwhile"
+                         + (f" ({detail})" if detail else ""))
+
+
+class OwnershipUnsupported(OwnershipError):
+    """The backend cannot compare-and-swap (an S3 server that ignores If-None-Match / If-Match), so
+    ownership cannot be enforced; the operation is refused rather than done without the guarantee."""
+
+    http_status = 501
+
+
+class OwnershipLost(OwnershipError):
+    """This node's copy of a sandbox was published, but the sandbox's record is gone from the repository: it
+    was killed on the node that owned it last.  The copy here is stale and is not run."""
+
+    http_status = 404
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+        super().__init__(
+            f"sandbox {sandbox_id} was killed on another node (its record is gone from the repository): "
+            "this node's paused copy is stale and will not run; kill it here to drop it")

@@ -11,16 +11,34 @@ listed), ``fsync`` it, ``rename`` it over the final name, ``fsync`` the director
 directory is atomic on POSIX filesystems (and on the usual distributed ones), so a reader sees either no file
 or the whole file; the two fsyncs make the result survive a power cut in that order.  Layers are hashed while
 they are copied in, so a file that does not match its digest never gets a final name.
+
+Sandbox ownership records (``manifests/sandbox-<id>.json``, see base.py) change by compare-and-swap: an
+exclusive ``fcntl.flock`` on one of 256 lock files (``<root>/locks/<xx>.lock``, picked by a hash of the record
+id, so lock files never pile up) is held around read-compare-write, and the write is the same atomic
+tmp + fsync + rename + fsync(dir).  ``flock`` excludes other processes on this host (and, with the in-process
+lock taken first, other threads of this one).  On a shared filesystem it needs locks that work across clients:
+
+* NFS: the Linux client turns ``flock`` into a whole-file POSIX lock on the server, so it works with NFSv4 (or
+  NFSv3 with lockd/statd running); never mount the repository with ``nolock`` or ``local_lock=flock|all``
+  (locks become local to each host and two nodes can both claim).  Mount it with ``lookupcache=positive``
+  (or ``noac``) so a record renamed into place by another host is seen once the lock is held;
+* CephFS: ``flock`` is cluster-wide (kernel client and ceph-fuse);
+* Lustre: mount with ``-o flock`` (the default ``localflock`` is node-local only);
+* anything else: check that an ``flock`` taken on one host blocks another host before sharing a repository.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator, Optional
 
 from .base import (
     READ_CHUNK,
@@ -31,11 +49,19 @@ from .base import (
     manifest_key,
     verify_digest,
 )
-from .errors import LayerNotFound, ManifestNotFound, RepositoryError, RepositoryUnavailable
+from .errors import (
+    LayerNotFound,
+    ManifestNotFound,
+    OwnershipChanged,
+    RepositoryError,
+    RepositoryUnavailable,
+)
 
 __all__ = ["PosixFsRepository"]
 
 _TMP_PREFIX = ".tmp-"
+#: Ownership records are locked by stripe: one of this many lock files, picked by a hash of the record id.
+_LOCK_STRIPES = 256
 
 
 def _fsync_dir(path: Path) -> None:
@@ -54,8 +80,9 @@ class PosixFsRepository(Repository):
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True, durable: bool = True) -> None:
         self.root = Path(root)
         self.durable = durable
+        self._thread_locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
         if create:
-            for d in (self.root / "layers" / "sha256", self.root / "manifests"):
+            for d in (self.root / "layers" / "sha256", self.root / "manifests", self.root / "locks"):
                 d.mkdir(parents=True, exist_ok=True)
         elif not (self.root / "layers").is_dir():
             raise RepositoryUnavailable(f"{self.root} is not a repository (no layers/ directory)")
@@ -211,6 +238,42 @@ class PosixFsRepository(Repository):
             return
         if self.durable:
             _fsync_dir(p.parent)
+
+    # -- compare-and-swap of ownership records -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self, manifest_id: str) -> Iterator[None]:
+        """Exclusive hold of the record's lock stripe: other threads here, other processes (and other hosts, on
+        a shared filesystem whose locks work across clients: see the module docstring)."""
+        stripe = int(hashlib.sha256(manifest_id.encode()).hexdigest()[:4], 16) % _LOCK_STRIPES
+        locks = self.root / "locks"
+        with self._thread_locks[stripe]:
+            if not locks.is_dir():
+                locks.mkdir(parents=True, exist_ok=True)
+            fd = os.open(locks / f"{stripe:02x}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
+
+    def _check_version(self, manifest_id: str, expect_token: Optional[str]) -> None:
+        got = self._get_versioned(manifest_id)
+        token = got[1] if got is not None else None
+        if token != expect_token:
+            raise OwnershipChanged(manifest_id.removeprefix("sandbox-"),
+                                   "it was created meanwhile" if expect_token is None else
+                                   "it was removed meanwhile" if token is None else "it was rewritten meanwhile")
+
+    def _put_if(self, manifest_id: str, data: bytes, expect_token: Optional[str]) -> str:
+        with self._locked(manifest_id):
+            self._check_version(manifest_id, expect_token)
+            self._put_manifest_bytes(manifest_id, data)
+        return hashlib.sha256(data).hexdigest()[:32]
+
+    def _delete_if(self, manifest_id: str, expect_token: str) -> None:
+        with self._locked(manifest_id):
+            self._check_version(manifest_id, expect_token)
+            self.delete_manifest(manifest_id)
 
     # -- housekeeping -------------------------------------------------------------------------------------
     def sweep_incomplete(self, older_than_s: float = 3600.0) -> int:

@@ -13,6 +13,19 @@ Retries are botocore's own (``retries={"mode": "standard"|"adaptive", "max_attem
 with jitter on throttling, 5xx and connection errors), so there is no hand-written retry loop here.  A boto3
 low-level client is thread-safe, so one client is shared by every thread; ``max_pool_connections`` bounds the
 connections it keeps.  All calls block: async callers use ``trio.to_thread.run_sync``.
+
+Sandbox ownership records (base.py) change by conditional requests: ``PutObject`` with ``If-None-Match: *``
+creates a record only if there is none, with ``If-Match: <etag>`` replaces exactly the version read, and
+``DeleteObject`` with ``If-Match`` deletes exactly that version; a lost race is HTTP 412 (or 409 when two
+conditional writes overlap on AWS).  Not every S3-compatible server honours these headers (AWS S3 does, as do
+MinIO and moto; s3rver ignores them and answers 200), and a server that ignores them would let two nodes claim
+the same sandbox.  So before the first ownership write the backend **probes** the server (a scratch object
+under ``manifests/``: a second create must fail, a replace with a wrong ETag must fail) and, if the server
+ignores the preconditions, raises ``OwnershipUnsupported`` for every ownership write.  If conditional PUT works
+but conditional DELETE does not, a delete first fences the record with a conditional PUT (state
+``deleting``), then deletes it: a concurrent claim either lands before the fence (the fence fails) or sees the
+fence (a conflict).  ``conditional_writes=True`` skips the probe (a server known to honour them), ``False``
+refuses ownership writes outright.
 """
 
 from __future__ import annotations
@@ -21,14 +34,34 @@ import concurrent.futures
 import datetime as dt
 import hashlib
 import os
-from typing import Any, Callable, TypeVar
+import threading
+import uuid
+from typing import Any, Callable, Optional, TypeVar
 
 import boto3
 import botocore.config
 import botocore.exceptions
 
-from .base import READ_CHUNK, Repository, check_digest, iter_file, layer_key, manifest_key, verify_digest
-from .errors import LayerNotFound, ManifestNotFound, RepositoryError, RepositoryUnavailable
+from .base import (
+    OWNER_DELETING,
+    READ_CHUNK,
+    Repository,
+    check_digest,
+    decode_manifest,
+    encode_manifest,
+    iter_file,
+    layer_key,
+    manifest_key,
+    verify_digest,
+)
+from .errors import (
+    LayerNotFound,
+    ManifestNotFound,
+    OwnershipChanged,
+    OwnershipUnsupported,
+    RepositoryError,
+    RepositoryUnavailable,
+)
 
 __all__ = ["S3Repository", "MIN_PART_SIZE"]
 
@@ -37,6 +70,8 @@ T = TypeVar("T")
 #: S3's smallest allowed part (all but the last part of a multipart upload).
 MIN_PART_SIZE = 5 * 1024 * 1024
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchUpload"}
+#: What a failed precondition looks like (412; AWS answers 409 when two conditional writes overlap).
+_PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
 
 class S3Repository(Repository):
@@ -67,6 +102,7 @@ class S3Repository(Repository):
         read_timeout_s: float = 60.0,
         max_pool_connections: int = 32,
         addressing_style: str = "path",
+        conditional_writes: Optional[bool] = None,
     ) -> None:
         if not bucket:
             raise ValueError("s3 repository: bucket is required")
@@ -87,6 +123,11 @@ class S3Repository(Repository):
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
         self.upload_concurrency = max(1, upload_concurrency)
+        #: Does the server honour If-None-Match / If-Match on PutObject (None: probe before the first use)?
+        self.conditional_writes = conditional_writes
+        #: ... and If-Match on DeleteObject (known after the probe; if not, deletes are fenced first)?
+        self.conditional_deletes: Optional[bool] = True if conditional_writes else None
+        self._probe_lock = threading.Lock()
         config = botocore.config.Config(
             region_name=region,
             retries={"mode": retry_mode, "max_attempts": max_attempts},
@@ -320,6 +361,110 @@ class S3Repository(Repository):
 
     def delete_manifest(self, manifest_id: str) -> None:
         self._call("delete manifest", self.client.delete_object, Key=self.prefix + manifest_key(manifest_id))
+
+    # -- compare-and-swap of ownership records -------------------------------------------------------------
+    @staticmethod
+    def _code(e: botocore.exceptions.ClientError) -> str:
+        return str(e.response.get("Error", {}).get("Code", ""))
+
+    def _get_versioned(self, manifest_id: str) -> Optional[tuple[bytes, str]]:
+        key = self.prefix + manifest_key(manifest_id)
+        try:
+            r = self._call("get manifest", self.client.get_object, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if self._is_not_found(e):
+                return None
+            raise
+        with r["Body"] as body:
+            return body.read(), str(r["ETag"])
+
+    def _conditional(self, what: str, fn: Callable[..., T], sandbox_id: str, **kw: Any) -> T:
+        try:
+            return self._call(what, fn, **kw)
+        except botocore.exceptions.ClientError as e:
+            if self._is_not_found(e):
+                raise OwnershipChanged(sandbox_id, "it was removed meanwhile") from None
+            raise
+        except RepositoryError as e:
+            cause = e.__cause__
+            if isinstance(cause, botocore.exceptions.ClientError) and self._code(cause) in _PRECONDITION:
+                raise OwnershipChanged(sandbox_id, f"{what}: {self._code(cause)}") from None
+            raise
+
+    def _put_if(self, manifest_id: str, data: bytes, expect_token: Optional[str]) -> str:
+        self.require_conditional_writes()
+        cond = {"IfNoneMatch": "*"} if expect_token is None else {"IfMatch": expect_token}
+        r = self._conditional("put ownership record", self.client.put_object, manifest_id.removeprefix("sandbox-"),
+                              Key=self.prefix + manifest_key(manifest_id), Body=data,
+                              ContentType="application/json", **cond)
+        return str(r["ETag"])
+
+    def _delete_if(self, manifest_id: str, expect_token: str) -> None:
+        self.require_conditional_writes()
+        key = self.prefix + manifest_key(manifest_id)
+        sid = manifest_id.removeprefix("sandbox-")
+        if not self.conditional_deletes:
+            # fence: from here on nobody else can claim it (and our delete removes only our fence)
+            got = self._get_versioned(manifest_id)
+            if got is None or got[1] != expect_token:
+                raise OwnershipChanged(sid, "it changed before the delete")
+            doc = {**decode_manifest(got[0]), "state": OWNER_DELETING}
+            expect_token = self._put_if(manifest_id, encode_manifest(doc), expect_token)
+            self._call("delete ownership record", self.client.delete_object, Key=key)
+            return
+        self._conditional("delete ownership record", self.client.delete_object, sid, Key=key, IfMatch=expect_token)
+
+    def require_conditional_writes(self) -> None:
+        """Raise ``OwnershipUnsupported`` unless the server honours conditional PUTs (probed once)."""
+        with self._probe_lock:
+            if self.conditional_writes is None:
+                self.conditional_writes, self.conditional_deletes = self._probe()
+        if not self.conditional_writes:
+            raise OwnershipUnsupported(
+                f"the S3 server at {self.endpoint_url or 'AWS'} (bucket {self.bucket}) ignores conditional writes "
+                "(PutObject If-None-Match / If-Match): sandbox ownership cannot be enforced on it, so two nodes "
+                "could run the same sandbox. Use a server that honours them (AWS S3, MinIO, Ceph RGW >= 19) or a "
+                "posix_fs repository")
+
+    def _probe(self) -> tuple[bool, bool]:
+        """(conditional PUT honoured, conditional DELETE honoured), found with a scratch object."""
+        key = f"{self.prefix}manifests/.cas-probe-{uuid.uuid4().hex}"
+
+        def put(body: bytes, **cond: Any) -> bool:
+            try:
+                self._call("probe conditional write", self.client.put_object, Key=key, Body=body, **cond)
+                return True
+            except botocore.exceptions.ClientError as e:
+                if self._is_not_found(e):
+                    return False
+                raise
+            except RepositoryError as e:
+                cause = e.__cause__
+                if isinstance(cause, botocore.exceptions.ClientError) and \
+                        (self._code(cause) in _PRECONDITION or self._code(cause) in ("NotImplemented", "InvalidArgument")):
+                    return False
+                raise
+
+        try:
+            if not put(b"1", IfNoneMatch="*"):
+                return False, False
+            puts = not put(b"2", IfNoneMatch="*") and not put(b"3", IfMatch='"00000000000000000000000000000000"')
+            deletes = False
+            if puts:
+                try:
+                    self._call("probe conditional delete", self.client.delete_object, Key=key,
+                               IfMatch='"00000000000000000000000000000000"')
+                except RepositoryError as e:
+                    cause = e.__cause__
+                    deletes = isinstance(cause, botocore.exceptions.ClientError) and \
+                        self._code(cause) in _PRECONDITION
+                deletes = deletes and self._head(key) is not None
+            return puts, deletes
+        finally:
+            try:
+                self._call("remove probe", self.client.delete_object, Key=key)
+            except Exception:
+                pass
 
     # -- housekeeping -------------------------------------------------------------------------------------
     def pending_uploads(self) -> list[dict[str, Any]]:
