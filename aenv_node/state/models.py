@@ -205,7 +205,7 @@ class Snapshot(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     kind: Mapped[str] = mapped_column(String(16))  # boot | pause | user | fork | periodic
-    status: Mapped[str] = mapped_column(String(16), default="committing")  # committing | committed | deleted
+    status: Mapped[str] = mapped_column(String(16), default="committing")  # committing | committed | deleted | collected
     name: Mapped[Optional[str]] = mapped_column(String(128))
     parent_id: Mapped[Optional[str]] = mapped_column(
         ForeignKey("snapshots.id", ondelete="SET NULL"), index=True
