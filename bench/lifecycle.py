@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 from aenv_node.storage import LayerReader, materialize  # noqa: E402
 from aenv_node.vmm import (  # noqa: E402
     Accel,
+    BalloonConfig,
     CaptureKind,
     Drive,
     FirecrackerDriver,
@@ -76,6 +77,7 @@ from aenv_node.vmm import (  # noqa: E402
     VmConfig,
     memfile,
 )
+from aenv_node.vmm.capture_buffer import CaptureBuffer  # noqa: E402
 from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
 
@@ -552,7 +554,22 @@ def vm_config(snap: dict[str, Any], wd: Path, disk: Path, netns: Path) -> VmConf
         net=NetIf(tap=TAP, mac=GUEST_MAC), mem_mode=MemoryMode.PRIVATE,
         api_socket=wd / "qmp.sock", console_log=wd / "console.log", netns=netns,
         accel=Accel(shape["accel"]), name="aenv-bench-lifecycle",
+        # the same devices as the snapshot; with free page reporting each floor VM maps its own copy of the
+        # image (floor_files), which is what makes reporting safe without the node's seccomp guard
+        balloon=BalloonConfig(free_page_reporting=True) if shape.get("free_page_reporting") else None,
+        mem_exclusive=bool(shape.get("free_page_reporting")),
     )  # fmt: skip
+
+
+def floor_files(snap: dict[str, Any], wd: Path) -> SnapshotFiles:
+    """The snapshot's files for one floor VM: its own copy of the memory image when the VM reports free
+    pages (untimed; a raw QEMU VM would punch holes in a shared one)."""
+    memory = Path(snap["memory"])
+    if snap["shape"].get("free_page_reporting"):
+        own = wd / "memory.img"
+        memfile.copy_image(memory, own)
+        memory = own
+    return SnapshotFiles(Path(snap["vmstate"]), memory, SnapshotFormat(snap["format"]))
 
 
 async def qemu_ops_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, ns: BenchNetns, runs: int,
@@ -560,16 +577,17 @@ async def qemu_ops_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, n
     """Restore -> running, stop/cont, diff capture (+ the memory-image materialization) of one snapshot."""
     flat = work / f"{label}.flat"
     mat_s = await trio.to_thread.run_sync(flat_disk, snap, flat)
-    files = SnapshotFiles(Path(snap["vmstate"]), Path(snap["memory"]), SnapshotFormat(snap["format"]))
     r: dict[str, list[float]] = {k: [] for k in ("restore", "pause", "resume", "capture_diff", "materialize_image",
                                                  "capture_diff_plus_resume")}
     dirty: list[int] = []
     warmup: dict[str, float] = {}
+    buf = await trio.to_thread.run_sync(CaptureBuffer, snap["shape"]["mem_mib"] << 20)  # untimed, like the node's
     for i in range(-1, runs):  # i == -1: an untimed warm-up (page cache, first QEMU start), reported apart
         wd = work / f"{label}{i + 1}"
         wd.mkdir()
         disk = wd / "disk.raw"
         await trio.to_thread.run_sync(run_cmd, "cp", "--sparse=always", str(flat), str(disk))  # untimed
+        files = await trio.to_thread.run_sync(floor_files, snap, wd)  # untimed
         await trio.to_thread.run_sync(os.sync)  # its writeback must not compete with the timed restore
         config = vm_config(snap, wd, disk, ns.path)
         t0 = time.perf_counter()
@@ -585,7 +603,8 @@ async def qemu_ops_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, n
                 r["resume"].append(time.perf_counter() - t)
             await trio.sleep(0.5)
             t = time.perf_counter()
-            cap = await vm.capture(wd / "diff.vmstate", wd / "diff.memory", kind=CaptureKind.DIFF)
+            # the same fastest raw method the node uses: dirty pages into pre-faulted memory
+            cap = await vm.capture(wd / "diff.vmstate", wd / "diff.memory", kind=CaptureKind.DIFF, buffer=buf)
             cap_s = time.perf_counter() - t
             await vm.resume()
             r["capture_diff_plus_resume"].append(time.perf_counter() - t)
@@ -593,9 +612,13 @@ async def qemu_ops_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, n
             dirty.append(cap.dirty_bytes)
             alive = (await vm.stats()).state.value == "running"
         t = time.perf_counter()
-        await trio.to_thread.run_sync(
-            lambda: memfile.materialize(Path(snap["memory"]), [(wd / "diff.memory", cap.dirty_ranges)],
-                                        wd / "memory"))
+        if cap.buffer is not None:
+            await trio.to_thread.run_sync(lambda: memfile.materialize_packed(
+                Path(snap["memory"]), cap.dirty_ranges, buf.view[: cap.dirty_bytes], wd / "memory"))
+        else:
+            await trio.to_thread.run_sync(
+                lambda: memfile.materialize(Path(snap["memory"]), [(wd / "diff.memory", cap.dirty_ranges)],
+                                            wd / "memory"))
         r["materialize_image"].append(time.perf_counter() - t)
         print(f"  QEMU {label} {'warm-up' if i == -1 else f'{i + 1}/{runs}'}: restore {ms(r['restore'][-1])} ms, stop {ms(r['pause'][-1])} ms, "
               f"cont {ms(r['resume'][-1])} ms, diff capture {ms(cap_s)} ms ({mib(cap.dirty_bytes)} MiB dirty), "
@@ -608,6 +631,7 @@ async def qemu_ops_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, n
                 v.clear()
             dirty.clear()
     flat.unlink(missing_ok=True)
+    buf.close()
     out: dict[str, Any] = {k: dist_s(v) for k, v in r.items()}
     out.update({"dirty_mib": [mib(x) for x in dirty], "snapshot_id": snap["id"], "format": snap["format"],
                 "disk_materialize_ms": ms(mat_s), "settle_s": settle_s, "warmup_run_ms": warmup})
@@ -618,7 +642,6 @@ async def qemu_fork_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, 
     """n concurrent restores of one snapshot (own namespace and disk copy each) -> all running."""
     flat = work / "fork.flat"
     await trio.to_thread.run_sync(flat_disk, snap, flat)
-    files = SnapshotFiles(Path(snap["vmstate"]), Path(snap["memory"]), SnapshotFormat(snap["format"]))
     nss = [BenchNetns(100 + i) for i in range(n)]
     entered: list[BenchNetns] = []
     up: list[float] = []
@@ -631,12 +654,13 @@ async def qemu_fork_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, 
             wd = work / f"fork{i}"
             wd.mkdir()
             await trio.to_thread.run_sync(run_cmd, "cp", "--sparse=always", str(flat), str(wd / "disk.raw"))
+            files = await trio.to_thread.run_sync(floor_files, snap, wd)
             await trio.to_thread.run_sync(os.sync)
-            configs.append(vm_config(snap, wd, wd / "disk.raw", ns.path))
+            configs.append((vm_config(snap, wd, wd / "disk.raw", ns.path), files))
         all_up = trio.Event()
         t0 = time.perf_counter()
 
-        async def child(c: VmConfig) -> None:
+        async def child(c: VmConfig, files: SnapshotFiles) -> None:
             async with driver.restore(c, files):
                 up.append(time.perf_counter() - t0)
                 if len(up) == n:
@@ -644,8 +668,8 @@ async def qemu_fork_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, 
                 await all_up.wait()
 
         async with trio.open_nursery() as nursery:
-            for c in configs:
-                nursery.start_soon(child, c)
+            for c, f in configs:
+                nursery.start_soon(child, c, f)
     finally:
         for ns in entered:
             ns.__exit__()

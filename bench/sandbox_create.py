@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 from aenv_node.storage import LayerReader, materialize  # noqa: E402
 from aenv_node.vmm import (  # noqa: E402
     Accel,
+    BalloonConfig,
     Drive,
     FirecrackerDriver,
     MemoryMode,
@@ -61,6 +62,7 @@ from aenv_node.vmm import (  # noqa: E402
     SnapshotFiles,
     SnapshotFormat,
     VmConfig,
+    memfile,
 )
 from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
@@ -333,7 +335,14 @@ async def qemu_restore_floor(
                 net=NetIf(tap=TAP, mac=GUEST_MAC), mem_mode=MemoryMode.PRIVATE,
                 api_socket=wd / "qmp.sock", console_log=wd / "console.log", netns=ns.path,
                 accel=Accel(shape["accel"]), name="aenv-bench-floor",
+                # the snapshot's devices; a reporting balloon needs the VM's own image copy (below)
+                balloon=BalloonConfig(free_page_reporting=True) if shape.get("free_page_reporting") else None,
+                mem_exclusive=bool(shape.get("free_page_reporting")),
             )  # fmt: skip
+            if shape.get("free_page_reporting"):  # untimed: raw QEMU would punch holes in a shared image
+                own = wd / "memory.img"
+                memfile.copy_image(Path(snap["memory"]), own)
+                files = SnapshotFiles(files.vmstate, own, files.format)
             t0 = time.perf_counter()
             async with driver.restore(config, files) as vm:
                 restore.append(time.perf_counter() - t0)

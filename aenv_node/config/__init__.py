@@ -88,6 +88,7 @@ class VmmSection:
     tcg_tb_size_restore_mb: int = 16
     guest_kernel: str = ""
     ksm: bool = False
+    free_page_reporting: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class StorageSection:
     s3_bucket: str = ""
     s3_region: str = ""
     s3_prefix: str = "aenv/"
+    s3_conditional_writes: str = "auto"
     cache_dir: str = ""
     cache_capacity_bytes: int = 20 * 1024**3
     cache_high_watermark: float = 0.95
@@ -120,12 +122,18 @@ class ImagesSection:
 class SnapshotSection:
     periodic_interval_s: float = 0
     compact_after_layers: int = 8
+    capture_buffer_mib: int = 512
+    capture_buffers: int = 1
+    gc_interval_s: float = 600
+    gc_orphan_grace_s: float = 3600
+    gc_patience_s: float = 5
 
 
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vmm", "kind"): ("auto", "qemu", "firecracker"),
     ("vmm", "accel"): ("auto", "kvm", "tcg"),
     ("storage", "repository"): ("posix_fs", "s3"),
+    ("storage", "s3_conditional_writes"): ("auto", "true", "false"),
     ("node", "log_level"): ("debug", "info", "warning", "error"),
 }
 
@@ -323,3 +331,5 @@ def _validate(cfg: Config) -> None:
         )
     if cfg.sandbox.default_timeout_s > cfg.sandbox.max_timeout_s:
         raise ConfigError("config sandbox: default_timeout_s exceeds max_timeout_s")
+    if cfg.snapshot.capture_buffer_mib < 0 or cfg.snapshot.capture_buffers < 0:
+        raise ConfigError("config snapshot: capture_buffer_mib and capture_buffers must be >= 0")

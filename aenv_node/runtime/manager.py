@@ -10,6 +10,7 @@ service (node shutdown) ends every sandbox through its shielded cleanup.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import logging
@@ -34,7 +35,8 @@ from ..net import (
     teardown_host_networking,
 )
 from ..snapshot.capture import SnapshotSource, capture_running
-from ..snapshot.persist import REPO_PREFIX, import_sandbox, publish_snapshot
+from ..vmm.capture_buffer import CaptureBufferPool
+from ..snapshot.persist import REPO_PREFIX, publish_snapshot
 from ..snapshot.machine import MachineShape
 from ..snapshot.templates import TemplateSource, build_template
 from ..state import Database, NetworkSlot, Sandbox, SandboxState, Snapshot, SnapshotLayer, Template, utcnow
@@ -45,6 +47,7 @@ from ..storage.cache_store import CacheStore
 from ..storage.repository import open_repository
 from ..vmm import Accel, make_driver
 from .errors import RuntimeLayerError
+from .gc import GarbageCollector, LiveStack
 from .node import Node
 from .sandbox import SandboxHandle, SandboxSpec, run_sandbox
 
@@ -155,7 +158,7 @@ class SandboxManager:
                                     egress=cfg.net.egress)
         self.live: dict[str, SandboxHandle] = {}
         #: Called with a sandbox id after it stopped running (the API's proxy cuts its streams).
-        self.stopped_hooks: list[Callable[[str], Awaitable[Any]]] = []
+        self.stopped_hooks: list[Callable[[str], Awaitable[Any]]] = [self._settle_record]
         self.build_default_template = build_default_template
         self.pool: SlotPool | None = None
         self._nursery: trio.Nursery | None = None
@@ -167,16 +170,32 @@ class SandboxManager:
                              qemu_binary=_which(cfg.vmm.qemu_binary),
                              firecracker_binary=Path(cfg.vmm.firecracker_binary),
                              tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb, qemu_mem_merge=cfg.vmm.ksm,
-                             tcg_restore_tb_size_mib=cfg.vmm.tcg_tb_size_restore_mb)
+                             tcg_restore_tb_size_mib=cfg.vmm.tcg_tb_size_restore_mb,
+                             qemu_cow_discard=cfg.vmm.free_page_reporting)
         self.driver = choice.driver
         self.accel = choice.accel
+        #: Templates get a free-page-reporting balloon (QEMU only: Firecracker refuses it on
+        #: copy-on-write memory); sandboxes restored from them inherit it.
+        self.free_page_reporting = cfg.vmm.free_page_reporting and choice.driver.name == "qemu"
         st = cfg.storage
         if st.repository == "s3":
             self.repo = open_repository("s3", endpoint_url=st.s3_endpoint, bucket=st.s3_bucket,
-                                        region=st.s3_region, prefix=st.s3_prefix)
+                                        region=st.s3_region, prefix=st.s3_prefix,
+                                        conditional_writes={"auto": None, "true": True,
+                                                            "false": False}[st.s3_conditional_writes])
         else:
             self.repo = open_repository("posix_fs", path=str(cfg.repository_path))
         self.cache: LayerCache | None = None
+        #: Pre-faulted memory live captures copy dirty pages into (the guest-visible pause is a memcpy).
+        self.capture_buffers = CaptureBufferPool(cfg.snapshot.capture_buffer_mib << 20,
+                                                 cfg.snapshot.capture_buffers)
+        #: Local snapshot/layer files: pins around every restore and capture, a collection after
+        #: each end that makes files garbage (runtime/gc.py).
+        self.gc = GarbageCollector(self.db, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
+                                   live=self._live_stacks,
+                                   orphan_grace_s=cfg.snapshot.gc_orphan_grace_s,
+                                   interval_s=cfg.snapshot.gc_interval_s,
+                                   patience_s=cfg.snapshot.gc_patience_s)
         log.info("VMM %s with %s (%s)", choice.driver.name, choice.accel.value, choice.info.reason)
 
     # -- service -------------------------------------------------------------------------------
@@ -188,6 +207,7 @@ class SandboxManager:
         await ensure_host_networking(self.netcfg)
         try:
             await self._reconcile()
+            await self.gc.startup()
             st = self.cfg.storage
             cache = await trio.to_thread.run_sync(lambda: LayerCache(
                 self.cfg.cache_dir, self.repo, capacity_bytes=st.cache_capacity_bytes,
@@ -202,6 +222,8 @@ class SandboxManager:
                     nursery.start_soon(self._keep_pool_filled, pool)
                     nursery.start_soon(run_janitor, cache)
                     nursery.start_soon(self._ttl_loop)
+                    nursery.start_soon(self._warm_capture_buffers)
+                    nursery.start_soon(self.gc.run)
                     if self.cfg.snapshot.periodic_interval_s > 0:
                         nursery.start_soon(self._periodic_loop)
                     if self.build_default_template:
@@ -214,7 +236,14 @@ class SandboxManager:
                 if self.cache is not None:
                     await trio.to_thread.run_sync(self.cache.close)
                 await trio.to_thread.run_sync(self.repo.close)
+                self.capture_buffers.close()
                 await teardown_host_networking(self.netcfg)
+
+    async def _warm_capture_buffers(self) -> None:
+        try:
+            await self.capture_buffers.warm()
+        except (OSError, MemoryError) as exc:  # captures then take the slower path
+            log.warning("could not make the capture buffers (%s): live captures will write files", exc)
 
     async def _keep_pool_filled(self, pool: SlotPool) -> None:
         """The pool's refiller; an unexpected error is logged and the refiller restarted, never
@@ -295,9 +324,21 @@ class SandboxManager:
             # its sockets and its writable upper died with it (a pause's state is in its snapshot)
             shutil.rmtree(self.cfg.run_dir / sid, ignore_errors=True)
             shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
+        for sid, _ in found:  # a record naming this node as running would make other nodes refuse it
+            await self._settle_record(sid)
         removed = await remove_orphans(self.netcfg)
         if removed or found:
             log.info("reconcile: %d sandboxes marked killed, %d orphan slots removed", len(found), len(removed))
+
+    async def _settle_record(self, sandbox_id: str) -> None:
+        """A sandbox ended here without a pause or a kill (VMM died, node restarted): drop its repository
+        ownership record if it still says running here (snapshot/persist.py ``settle_record``)."""
+        from ..snapshot.persist import owner_id, settle_record
+
+        try:
+            await settle_record(self.db, self.repo, sandbox_id, owner_id(self.node.node_id, node_tag(self.cfg)))
+        except Exception as exc:  # the repository may be unreachable: other nodes then see a stale owner
+            log.warning("settling the ownership record of %s failed: %s", sandbox_id, exc)
 
     async def _ttl_loop(self) -> None:
         interval = self.cfg.sandbox.ttl_check_interval_s
@@ -328,61 +369,78 @@ class SandboxManager:
                 if handle.op_lock.locked() or handle.done.is_set():
                     continue
                 try:
-                    async with self.node.tracker.operation("periodic_snapshot"), handle.op_lock:
+                    async with self.node.tracker.operation("periodic_snapshot"), handle.op_lock, \
+                            self.gc.pin():
                         if handle.done.is_set():
                             continue
                         snap = await self._capture_live(handle, kind="periodic", name=None,
                                                         state=SandboxState.SNAPSHOTTING,
                                                         operation="periodic_snapshot")
                     await self.db.run(lambda s: _retire_older_periodic(s, sid, keep=snap))
+                    self.gc.request("periodic_retire")
                 except Exception as exc:
                     log.warning("periodic snapshot of %s failed: %s", sid, exc)
 
     async def _compact_snapshot(self, snapshot_id: str) -> None:
-        """Compact a snapshot's disk chain (all but the base layer) into one layer, in the background."""
+        """Bound a snapshot's layer chains, in the background: a disk chain longer than
+        ``snapshot.compact_after_layers`` becomes base + one layer, a memory chain that long becomes one
+        layer over the template's RAM image (each pause adds a layer of dirty pages to both, so a sandbox
+        paused and resumed forever would otherwise grow without bound). The replaced layers become
+        garbage for runtime/gc.py."""
         limit = self.cfg.snapshot.compact_after_layers
 
-        def chain(s) -> list[tuple[int, str]]:  # type: ignore[no-untyped-def]
-            rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == snapshot_id,
-                                                         SnapshotLayer.kind == "disk")
-                             .order_by(SnapshotLayer.position))
-            return [(r.position, s.get(Layer, r.layer_digest).location) for r in rows]
+        def chains(s) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
+            sn = s.get(Snapshot, snapshot_id)
+            if sn is None or sn.status != "committed":
+                return {}  # superseded and collected meanwhile: nothing to compact
+            out: dict[str, list[str]] = {}
+            for kind in ("disk", "memory"):
+                rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == snapshot_id,
+                                                             SnapshotLayer.kind == kind)
+                                 .order_by(SnapshotLayer.position))
+                out[kind] = [s.get(Layer, r.layer_digest).location for r in rows]
+            return out
 
-        layers = await self.db.run(chain)
-        if len(layers) <= limit:
-            return
         from ..storage.compact import compact_layers
         from ..storage.layer import LayerReader
 
-        t0 = time.monotonic()
+        for kind, locations in (await self.db.run(chains)).items():
+            keep = 1 if kind == "disk" else 0  # the disk base layer stays (shared by every sandbox)
+            if len(locations) <= limit or any(loc.startswith(REPO_PREFIX) for loc in locations[keep:]):
+                continue  # short enough, or imported layers that live only in the repository
+            t0 = time.monotonic()
 
-        def work():  # type: ignore[no-untyped-def]
-            readers = [LayerReader.open(path) for _, path in layers[1:]]
-            try:
-                return compact_layers(readers, self.cfg.layers_dir, bottom=False,
-                                      virtual_size=max(r.virtual_size for r in readers))
-            finally:
-                for r in readers:
-                    r.close()
+            def work(paths: list[str] = locations[keep:]):  # type: ignore[no-untyped-def]
+                readers = [LayerReader.open(path) for path in paths]
+                try:  # bottom=False: zeroed extents must keep shadowing what lies below
+                    return compact_layers(readers, self.cfg.layers_dir, bottom=False,
+                                          virtual_size=max(r.virtual_size for r in readers))
+                finally:
+                    for r in readers:
+                        r.close()
 
-        info = await trio.to_thread.run_sync(work)
-        digest = f"sha256:{info.digest}"
+            info = await trio.to_thread.run_sync(work)
+            digest = f"sha256:{info.digest}"
 
-        def swap(s) -> None:  # type: ignore[no-untyped-def]
-            if s.get(Layer, digest) is None:
-                s.add(Layer(digest=digest, kind="disk", size_bytes=info.file_size,
-                            virtual_size_bytes=info.virtual_size, location=str(info.path), refcount=1))
-            s.execute(delete(SnapshotLayer).where(SnapshotLayer.snapshot_id == snapshot_id,
-                                                  SnapshotLayer.kind == "disk",
-                                                  SnapshotLayer.position > 0))
-            s.flush()
-            s.add(SnapshotLayer(snapshot_id=snapshot_id, kind="disk", position=1, layer_digest=digest))
-            repo.record_event(s, "compact", subject="snapshot", subject_id=snapshot_id,
-                              duration_ms=(time.monotonic() - t0) * 1000,
-                              detail={"layers_before": len(layers), "layers_after": 2})
+            def swap(s, kind: str = kind, keep: int = keep, before: int = len(locations),
+                     t0: float = t0) -> None:  # type: ignore[no-untyped-def]
+                if s.get(Layer, digest) is None:
+                    s.add(Layer(digest=digest, kind=kind, size_bytes=info.file_size,
+                                virtual_size_bytes=info.virtual_size, location=str(info.path), refcount=1))
+                s.execute(delete(SnapshotLayer).where(SnapshotLayer.snapshot_id == snapshot_id,
+                                                      SnapshotLayer.kind == kind,
+                                                      SnapshotLayer.position >= keep))
+                s.flush()
+                s.add(SnapshotLayer(snapshot_id=snapshot_id, kind=kind, position=keep, layer_digest=digest))
+                if kind == "memory":
+                    sn = s.get(Snapshot, snapshot_id)
+                    sn.config = {**(sn.config or {}), "memory_layers": [digest]}
+                repo.record_event(s, "compact", subject="snapshot", subject_id=snapshot_id,
+                                  duration_ms=(time.monotonic() - t0) * 1000,
+                                  detail={"kind": kind, "layers_before": before, "layers_after": keep + 1})
 
-        await self.db.run(swap)
-        log.info("compacted snapshot %s: %d disk layers -> 2", snapshot_id, len(layers))
+            await self.db.run(swap)
+            log.info("compacted snapshot %s: %d %s layers -> %d", snapshot_id, len(locations), kind, keep + 1)
 
     async def _expire(self, sid: str, auto_pause: bool) -> None:
         try:
@@ -421,6 +479,7 @@ class SandboxManager:
                 shape = (sn.config or {}).get("shape", {}) if sn else {}
                 if shape.get("kernel") != str(kit.vmlinuz) or shape.get("tools_img") != str(kit.tools_img) \
                         or shape.get("accel") != self.accel.value or \
+                        shape.get("free_page_reporting", False) != self.free_page_reporting or \
                         (sn.config or {}).get("rootfs") != str(rootfs):
                     return None
                 return t.boot_snapshot_id
@@ -431,7 +490,7 @@ class SandboxManager:
                 source = TemplateSource(rootfs=rootfs, kernel=kit.vmlinuz, initrd=kit.initramfs,
                                         tools_img=kit.tools_img,
                                         cmdline=kernel_cmdline(tsc_khz=host_tsc_khz() if self.accel is Accel.TCG else None),
-                                        kit_hash=kit.hash)
+                                        kit_hash=kit.hash, free_page_reporting=self.free_page_reporting)
                 result = await build_template(
                     db=self.db, driver=self.driver, accel=self.accel.value, pool=self.pool,
                     source=source, layers_dir=self.cfg.layers_dir,
@@ -443,6 +502,7 @@ class SandboxManager:
                 )
                 log.info("template %r ready in %.1fs (boot %.1fs, capture %.0f ms)", template_id,
                          result.duration_s, result.boot_s, result.capture_s * 1000)
+                self.gc.request("template_build")  # a rebuild supersedes the previous boot snapshot
             self._template_errors.pop(template_id, None)
             return template_id
         except Exception as exc:
@@ -531,6 +591,18 @@ class SandboxManager:
             previous_token=previous_token, default_user="user", policy=policy,
             workdir=self.cfg.sandboxes_dir / sid, run_dir=self.cfg.run_dir / sid, operation=operation)
 
+    def _live_stacks(self) -> list[LiveStack]:
+        """What the sandboxes live on this node use (for the garbage collector)."""
+        stacks = []
+        for h in list(self.live.values()):
+            layers: list[object] = list(h.source.disk_layers)
+            for reader in getattr(h.image, "layers", ()) or ():  # the image's own view, if it has one
+                name = getattr(reader, "name", None)
+                if isinstance(name, str):
+                    layers.append(name)
+            stacks.append(LiveStack(h.source.snapshot_id, tuple(layers), tuple(h.source.memory_layers)))
+        return stacks
+
     def _running(self) -> trio.Nursery:
         if self._nursery is None or self.pool is None:
             raise TemplateNotReady("the sandbox manager is not running")
@@ -538,7 +610,7 @@ class SandboxManager:
 
     # -- sandboxes -----------------------------------------------------------------------------
     async def create(self, req: CreateRequest) -> Sandbox:
-        async with self.node.tracker.operation("create"):
+        async with self.node.tracker.operation("create"), self.gc.pin():
             t, sn = await self._resolve_template(req.template)
             source, sn = await self._load_source(sn.id)
             nursery = self._running()
@@ -587,14 +659,15 @@ class SandboxManager:
         if killed:
             # another node sharing the repository must not resume it any more
             await trio.to_thread.run_sync(self._forget_published, sandbox_id)
+            self.gc.request("kill")
         return killed
 
     def _forget_published(self, sandbox_id: str) -> None:
-        from ..snapshot.persist import sandbox_manifest_id
+        """Delete the sandbox's record in the repository if this node owns it (blocking)."""
+        from ..snapshot.persist import forget_published, owner_id
 
         try:
-            if self.repo.has_manifest(sandbox_manifest_id(sandbox_id)):
-                self.repo.delete_manifest(sandbox_manifest_id(sandbox_id))
+            forget_published(self.repo, sandbox_id, owner_id(self.node.node_id, node_tag(self.cfg)))
         except Exception as exc:
             log.warning("removing the published pointer of %s failed: %s", sandbox_id, exc)
 
@@ -634,17 +707,19 @@ class SandboxManager:
             raise SandboxConflict(f"sandbox {sandbox_id} is already {state.value}"
                                   if state == SandboxState.PAUSED else
                                   f"sandbox {sandbox_id} is {state.value}: only a running sandbox can pause")
-        async with self.node.tracker.operation("pause"), handle.op_lock:
+        async with self.node.tracker.operation("pause"), handle.op_lock, self.gc.pin():
             if handle.done.is_set():
                 raise SandboxConflict(f"sandbox {sandbox_id} stopped meanwhile")
             await self.db.run(lambda s: repo.transition(s, sandbox_id, SandboxState.PAUSING,
                                                         operation=reason, expect=[SandboxState.RUNNING]))
+            private = await self.db.run(lambda s: _memory_is_private(s, sandbox_id, handle.source.snapshot_id))
             try:
                 out = await capture_running(
                     db=self.db, vm=handle.vm, image=handle.image, sandbox_id=sandbox_id,
                     source=handle.source, kind="pause", keep_running=False,
                     layers_dir=self.cfg.layers_dir, snapshots_dir=self.cfg.templates_dir,
-                    access_token=handle.access_token, env_vars=handle.env_vars)
+                    access_token=handle.access_token, env_vars=handle.env_vars,
+                    buffers=self.capture_buffers, take_source_memory=private)
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     await self._after_failed_capture(handle, "pause", exc)
@@ -652,22 +727,33 @@ class SandboxManager:
             handle.paused_snapshot_id = out.snapshot_id
             handle.request_stop(reason)
             await handle.done.wait()
+        self.gc.request("pause")  # the snapshot it ran from is superseded
         if self._nursery is not None:
             self._nursery.start_soon(self._publish_quietly, out.snapshot_id, sandbox_id)
-            if len(out.disk_layers) > self.cfg.snapshot.compact_after_layers:
-                self._nursery.start_soon(self._compact_quietly, out.snapshot_id)
+            # disk or memory chain past snapshot.compact_after_layers: bound it (a no-op otherwise)
+            self._nursery.start_soon(self._compact_quietly, out.snapshot_id)
 
     async def _publish_quietly(self, snapshot_id: str, sandbox_id: str) -> None:
-        """Commit a pause snapshot to the repository (in the background: the pause has returned)."""
+        """Commit a pause snapshot to the repository (in the background: the pause has returned).
+
+        The record goes ``paused`` (owned by this node) under the sandbox's resume lock, and only if the
+        sandbox is still paused at this snapshot: a resume or a kill meanwhile wins (snapshot/persist.py)."""
+        from ..snapshot.persist import owner_id
+
         try:
-            summary = await publish_snapshot(self.db, self.repo, self.cfg.layers_dir, snapshot_id, sandbox_id)
+            summary = await publish_snapshot(
+                self.db, self.repo, self.cfg.layers_dir, snapshot_id, sandbox_id,
+                owner=owner_id(self.node.node_id, node_tag(self.cfg)),
+                pointer_lock=self._resume_locks.setdefault(sandbox_id, trio.Lock()))
             log.info("published snapshot %s of %s: %s", snapshot_id, sandbox_id, summary)
         except Exception as exc:
             log.warning("publishing snapshot %s failed: %s", snapshot_id, exc)
 
     async def _compact_quietly(self, snapshot_id: str) -> None:
         try:
-            await self._compact_snapshot(snapshot_id)
+            async with self.gc.pin():  # it reads the chain's files and adds a layer
+                await self._compact_snapshot(snapshot_id)
+            self.gc.request("compact")  # the layers it replaced may be garbage now
         except Exception as exc:
             log.warning("compacting snapshot %s failed: %s", snapshot_id, exc)
 
@@ -689,38 +775,59 @@ class SandboxManager:
             handle.request_stop("error")
 
     async def resume(self, sandbox_id: str, *, timeout_s: Optional[int] = None) -> tuple[Sandbox, bool]:
-        """Running: (row, False). Paused: restore it from its pause snapshot, (row, True)."""
+        """Running: (row, False). Paused: claim it in the repository, restore it from its pause
+        snapshot, (row, True).
+
+        The claim (snapshot/persist.py ``claim_for_resume``) makes this node the sandbox's only runner
+        before anything starts: a sandbox running on another node is a 409 naming that node; one paused
+        on another node (unknown here, or newer there than this node's copy) is imported first."""
+        from ..snapshot.persist import claim_for_resume, owner_id, release_claim
+        from ..storage.repository.errors import OwnershipConflict
+
         async with self.node.tracker.operation("resume"):
             lock = self._resume_locks.setdefault(sandbox_id, trio.Lock())
-            async with lock:
+            async with lock, self.gc.pin():
                 known = await self.db.run(lambda s: s.get(Sandbox, sandbox_id) is not None)
-                if not known:
-                    # paused on another node sharing the repository?
-                    await import_sandbox(self.db, self.repo, self.cfg.templates_dir, sandbox_id,
-                                         self.node.node_id)
-                sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
-                if sb.state == SandboxState.RUNNING.value and sandbox_id in self.live:
-                    if timeout_s is not None:
-                        await self._set_end(sandbox_id, timeout_s)
-                    return await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id)), False
-                if sb.state != SandboxState.PAUSED.value or sb.snapshot_id is None:
-                    raise SandboxConflict(f"sandbox {sandbox_id} is {sb.state}: it cannot be resumed")
-                source, sn = await self._load_source(sb.snapshot_id)
-                nursery = self._running()
-                end = utcnow() + dt.timedelta(seconds=timeout_s if timeout_s is not None
-                                              else self.cfg.sandbox.default_timeout_s)
-                await self.db.run(lambda s: repo.transition(
-                    s, sandbox_id, SandboxState.RESUMING, operation="resume",
-                    expect=[SandboxState.PAUSED], end_at=end))
-                policy = EgressPolicy.from_e2b((sb.network_policy or {}).get("allowOut"),
-                                               (sb.network_policy or {}).get("denyOut"),
-                                               allow_internet_access=sb.allow_internet_access)
-                spec = self._spec(sandbox_id, source, sn, env_vars=dict(sb.env_vars or {}),
-                                  token=sb.envd_access_token or secrets.token_urlsafe(24),
-                                  previous_token=sb.envd_access_token, policy=policy, operation="resume")
+                if known:
+                    sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
+                    if sb.state == SandboxState.RUNNING.value and sandbox_id in self.live:
+                        if timeout_s is not None:
+                            await self._set_end(sandbox_id, timeout_s)
+                        return await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id)), False
+                    if sb.state != SandboxState.PAUSED.value or sb.snapshot_id is None:
+                        raise SandboxConflict(f"sandbox {sandbox_id} is {sb.state}: it cannot be resumed")
+                # paused here or on another node sharing the repository: this node claims it first
+                owner = owner_id(self.node.node_id, node_tag(self.cfg))
                 try:
+                    claim = await claim_for_resume(self.db, self.repo, self.cfg.templates_dir, sandbox_id,
+                                                   self.node.node_id, owner)
+                except OwnershipConflict as exc:
+                    raise SandboxConflict(str(exc)) from None
+                if claim is not None and claim.imported and known:
+                    self.gc.request("import")  # the stale local snapshot may be garbage now
+                try:
+                    sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
+                    if sb.state != SandboxState.PAUSED.value or sb.snapshot_id is None:
+                        raise SandboxConflict(f"sandbox {sandbox_id} is {sb.state}: it cannot be resumed")
+                    source, sn = await self._load_source(sb.snapshot_id)
+                    nursery = self._running()
+                    end = utcnow() + dt.timedelta(seconds=timeout_s if timeout_s is not None
+                                                  else self.cfg.sandbox.default_timeout_s)
+                    await self.db.run(lambda s: repo.transition(
+                        s, sandbox_id, SandboxState.RESUMING, operation="resume",
+                        expect=[SandboxState.PAUSED], end_at=end))
+                    policy = EgressPolicy.from_e2b((sb.network_policy or {}).get("allowOut"),
+                                                   (sb.network_policy or {}).get("denyOut"),
+                                                   allow_internet_access=sb.allow_internet_access)
+                    spec = self._spec(sandbox_id, source, sn, env_vars=dict(sb.env_vars or {}),
+                                      token=sb.envd_access_token or secrets.token_urlsafe(24),
+                                      previous_token=sb.envd_access_token, policy=policy,
+                                      operation="resume")
                     await nursery.start(self._run, spec)
                 except BaseException:
+                    if claim is not None:  # not running here after all: hand the claim back
+                        with trio.CancelScope(shield=True):
+                            await trio.to_thread.run_sync(release_claim, self.repo, claim, owner)
                     raise
                 return await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id)), True
 
@@ -732,7 +839,7 @@ class SandboxManager:
     async def snapshot(self, sandbox_id: str, *, name: Optional[str] = None) -> str:
         """Snapshot a running sandbox (brief pause); the snapshot is also a template."""
         handle = self._live_or_conflict(sandbox_id, "snapshot")
-        async with self.node.tracker.operation("snapshot"), handle.op_lock:
+        async with self.node.tracker.operation("snapshot"), handle.op_lock, self.gc.pin():
             return await self._capture_live(handle, kind="user", name=name,
                                             state=SandboxState.SNAPSHOTTING, operation="snapshot")
 
@@ -752,7 +859,7 @@ class SandboxManager:
                 db=self.db, vm=handle.vm, image=handle.image, sandbox_id=sid, source=handle.source,
                 kind=kind, keep_running=True, layers_dir=self.cfg.layers_dir,
                 snapshots_dir=self.cfg.templates_dir, access_token=handle.access_token,
-                env_vars=handle.env_vars, name=name)
+                env_vars=handle.env_vars, name=name, buffers=self.capture_buffers)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await self._after_failed_capture(handle, operation, exc)
@@ -779,8 +886,10 @@ class SandboxManager:
         if not 1 <= count <= self.cfg.sandbox.fork_max_count:
             raise ForkLimit(f"count must be between 1 and {self.cfg.sandbox.fork_max_count}")
         handle = self._live_or_conflict(sandbox_id, "fork")
-        async with self.node.tracker.operation("fork"):
+        async with self.node.tracker.operation("fork"), contextlib.AsyncExitStack() as pinned:
             async with handle.op_lock:
+                # pinned until the children's rows name the fork snapshot; op_lock first, as pause does
+                await pinned.enter_async_context(self.gc.pin())
                 snap_id = await self._capture_live(handle, kind="fork", name=None,
                                                    state=SandboxState.FORKING, operation="fork")
             parent = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
@@ -848,7 +957,10 @@ class SandboxManager:
                               from_state="committed", to_state="deleted")
             return True
 
-        return await self.db.run(work)
+        deleted = await self.db.run(work)
+        if deleted:
+            self.gc.request("snapshot_delete")  # its files go once no sandbox runs from it
+        return deleted
 
     async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
         """The live sandbox for proxied traffic; a paused one with autoResume is resumed first."""
@@ -870,6 +982,22 @@ class SandboxManager:
             if handle is not None:
                 return handle
         raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
+
+
+def _memory_is_private(s, sandbox_id: str, snapshot_id: str) -> bool:  # type: ignore[no-untyped-def]
+    """Is the flat memory image of ``snapshot_id`` (the one the running sandbox was restored from) this
+    sandbox's alone, so that its pause may take the file over instead of copying it? True for the
+    sandbox's own previous pause snapshot when nothing else can restore from it: pause snapshots are
+    not templates, and only their sandbox resumes them (checked: no other live sandbox points at it)."""
+    sn = s.get(Snapshot, snapshot_id)
+    if sn is None or sn.kind != "pause" or sn.source_sandbox_id != sandbox_id:
+        return False
+    if s.scalar(select(Template.id).where(Template.boot_snapshot_id == snapshot_id).limit(1)) is not None:
+        return False
+    others = s.scalar(select(Sandbox.id).where(Sandbox.snapshot_id == snapshot_id, Sandbox.id != sandbox_id,
+                                               Sandbox.state != SandboxState.KILLED.value).limit(1))
+    memory = (sn.config or {}).get("memory", "")
+    return others is None and Path(memory).parent.name == snapshot_id
 
 
 def _retire_older_periodic(s, sandbox_id: str, keep: str) -> None:  # type: ignore[no-untyped-def]

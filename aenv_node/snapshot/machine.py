@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 
 from ..net import Slot
 from ..storage.frontends.nbd import NbdServer, serve_nbd
-from ..vmm import Accel, Drive, MemoryMode, NetIf, SnapshotFiles, Vm, VmConfig, VmmDriver
+from ..vmm import Accel, BalloonConfig, Drive, MemoryMode, NetIf, SnapshotFiles, Vm, VmConfig, VmmDriver
 
 __all__ = ["MachineShape", "Machine", "open_machine"]
 
@@ -37,13 +37,16 @@ class MachineShape:
     cmdline: str
     tools_img: str
     accel: str
+    #: a virtio-balloon with free page reporting: device state differs, so boot and restores must agree
+    free_page_reporting: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MachineShape":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        """Fields a shape stored before they existed take their defaults."""
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 @dataclass
@@ -88,6 +91,8 @@ async def open_machine(
             netns=Path(slot.netns_path),
             accel=Accel(shape.accel),
             name=name,
+            # the guest hands pages it frees back to the host (QEMU restores run under its discard guard)
+            balloon=BalloonConfig(free_page_reporting=True) if shape.free_page_reporting else None,
         )
         if snapshot is None:
             ctx = driver.boot(config)

@@ -70,6 +70,7 @@ class TemplateSource:
     tools_img: Path
     cmdline: str
     kit_hash: str
+    free_page_reporting: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ async def build_template(
     shape = MachineShape(
         vcpus=vcpus, mem_mib=mem_mib, kernel=str(source.kernel), initrd=str(source.initrd),
         cmdline=source.cmdline, tools_img=str(source.tools_img), accel=accel,
+        free_page_reporting=source.free_page_reporting,
     )
 
     def begin(s) -> None:  # type: ignore[no-untyped-def]

@@ -111,16 +111,27 @@ def apply_ranges(target: Path, diff: Path, ranges: Iterable[MemoryRange]) -> Non
         os.close(src_fd)
 
 
-def materialize(base: Path, diffs: Sequence[tuple[Path, Sequence[MemoryRange] | None]], dst: Path) -> None:
-    """dst = base with every diff laid over it, oldest first. Ranges None = the diff file's data extents."""
-    copy_image(base, dst)
+def _start(base: Path, dst: Path, in_place: bool) -> None:
+    if in_place:  # base is consumed: it becomes dst (a rename, no copy)
+        os.replace(base, dst)
+    else:
+        copy_image(base, dst)
+
+
+def materialize(base: Path, diffs: Sequence[tuple[Path, Sequence[MemoryRange] | None]], dst: Path, *,
+                in_place: bool = False) -> None:
+    """dst = base with every diff laid over it, oldest first. Ranges None = the diff file's data extents.
+    `in_place`: base itself becomes dst (renamed, then patched) instead of being copied."""
+    _start(base, dst, in_place)
     for diff, ranges in diffs:
         apply_ranges(dst, diff, data_ranges(diff) if ranges is None else ranges)
 
 
-def materialize_packed(base: Path, ranges: Sequence[MemoryRange], data: memoryview, dst: Path) -> None:
-    """dst = base with `ranges` overwritten by `data` (their bytes back to back, in range order)."""
-    copy_image(base, dst)
+def materialize_packed(base: Path, ranges: Sequence[MemoryRange], data: memoryview, dst: Path, *,
+                       in_place: bool = False) -> None:
+    """dst = base with `ranges` overwritten by `data` (their bytes back to back, in range order).
+    `in_place`: base itself becomes dst (renamed, then patched) instead of being copied."""
+    _start(base, dst, in_place)
     fd = os.open(dst, os.O_WRONLY)
     try:
         pos = 0

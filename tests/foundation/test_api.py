@@ -6,9 +6,7 @@ import datetime as dt
 from typing import Any
 
 import httpx
-import pytest
 import trio
-from quart import request
 
 from aenv_node.api.app import create_app
 from aenv_node.api.routes import ROUTES, quart_path

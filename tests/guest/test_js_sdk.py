@@ -13,7 +13,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from .conftest import EnvdProcess, start_envd, stop_envd
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from e2b import Sandbox
+
+from aenv_node.storage.layer import LayerReader
 
 from .test_e2b_sdk import _wait_state
 
@@ -56,7 +60,17 @@ def test_pause_then_connect_continues_with_files_and_processes(sdk_env) -> None:
         assert after > before  # the background process kept counting after the resume
         # pause, resume, pause, resume keeps everything
         again.files.write("/home/user/second.txt", "round two")
+        first_image = Path(sdk_env.sql(f"SELECT json_extract(config, '$.memory') FROM snapshots "
+                                       f"WHERE id = '{snap}'")[0][0])
+        first_inode = first_image.stat().st_ino
         again.pause()
+        # the first pause snapshot was this sandbox's alone: the second took its memory image over (moved
+        # and patched in place, not copied)
+        snap2 = sdk_env.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
+        second_image = Path(sdk_env.sql(f"SELECT json_extract(config, '$.memory') FROM snapshots "
+                                        f"WHERE id = '{snap2}'")[0][0])
+        assert second_image != first_image and second_image.stat().st_ino == first_inode
+        assert not first_image.exists()
         third = Sandbox.connect(sb.sandbox_id)
         assert third.files.read("/home/user/second.txt") == "round two"
         assert third.files.read("/home/user/keep.txt") == "kept across pause"
@@ -163,27 +177,51 @@ def test_fork_children_inherit_and_diverge(sdk_env) -> None:
         parent.kill()
 
 
-def test_long_disk_chains_are_compacted_and_still_resume(sdk_env) -> None:
-    """The session node compacts chains of more than 4 disk layers (base, boot seal, one per pause)."""
+def test_long_chains_are_compacted_and_still_resume(sdk_env) -> None:
+    """The session node compacts chains of more than 4 layers: disk (base, boot seal, one per pause) and
+    memory (one layer of dirty pages per pause), so a sandbox paused and resumed forever stays bounded."""
     sb = Sandbox.create()
     try:
-        for i in range(3):
+        sb.commands.run(COUNTER)
+        for i in range(5):
             sb.files.write(f"/home/user/round{i}.txt", f"round {i}")
             sb.pause()
             sb = Sandbox.connect(sb.sandbox_id)
-        snap = sdk_env.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
-        deadline = time.monotonic() + 60
-        compacted = []
-        while time.monotonic() < deadline and not compacted:
-            compacted = sdk_env.sql("SELECT detail FROM events WHERE operation = 'compact' AND subject_id IN "
-                                    f"(SELECT id FROM snapshots WHERE source_sandbox_id = '{sb.sandbox_id}')")
+        deadline = time.monotonic() + 90
+        kinds: set[str] = set()
+        while time.monotonic() < deadline and kinds != {"disk", "memory"}:
+            kinds = {r[0] for r in sdk_env.sql(
+                "SELECT json_extract(detail, '$.kind') FROM events WHERE operation = 'compact' AND subject_id IN "
+                f"(SELECT id FROM snapshots WHERE source_sandbox_id = '{sb.sandbox_id}')")}
             time.sleep(0.5)
-        assert compacted, "no compaction recorded"
-        sb.pause()  # this pause's snapshot builds on the compacted chain
+        assert kinds == {"disk", "memory"}, f"compactions recorded: {kinds}"
+        before = _counter(sb)
+        sb.pause()  # the newest pause snapshot: its chains are compacted in the background too
+        snap = sdk_env.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not sdk_env.sql(
+                f"SELECT 1 FROM events WHERE operation = 'compact' AND subject_id = '{snap}' "
+                "AND json_extract(detail, '$.kind') = 'memory'"):
+            time.sleep(0.5)
+        chain = dict(sdk_env.sql(f"SELECT kind, count(*) FROM snapshot_layers WHERE snapshot_id = '{snap}' "
+                                 "GROUP BY kind"))
+        assert chain["memory"] == 1 and chain["disk"] == 2, chain
+        # the compacted memory layer over the template's RAM image is exactly the snapshot's flat image
+        # (what another node would materialize from the repository)
+        flat, base, layer_path = sdk_env.sql(
+            "SELECT json_extract(s.config, '$.memory'), json_extract(s.config, '$.memory_base'), l.location "
+            "FROM snapshots s JOIN snapshot_layers sl ON sl.snapshot_id = s.id AND sl.kind = 'memory' "
+            f"JOIN layers l ON l.digest = sl.layer_digest WHERE s.id = '{snap}'")[0]
+        rebuilt = bytearray(Path(base).read_bytes())
+        with LayerReader.open(layer_path) as layer:
+            for e in layer.iter_extents():
+                rebuilt[e.offset : e.offset + e.length] = layer.read(e.offset, e.length)
+        assert hashlib.sha256(rebuilt).digest() == hashlib.sha256(Path(flat).read_bytes()).digest()
         back = Sandbox.connect(sb.sandbox_id)
-        for i in range(3):
+        for i in range(5):
             assert back.files.read(f"/home/user/round{i}.txt") == f"round {i}"
-        assert snap
+        time.sleep(1)
+        assert _counter(back) > before
     finally:
         Sandbox.kill(sb.sandbox_id)
 
