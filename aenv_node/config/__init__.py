@@ -111,6 +111,8 @@ class StorageSection:
     cache_capacity_bytes: int = 20 * 1024**3
     cache_high_watermark: float = 0.95
     cache_low_watermark: float = 0.70
+    repository_gc_interval_s: float = 3600
+    repository_gc_grace_s: float = 3600
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             "config storage: repository = \"s3\" needs s3_endpoint, s3_bucket and s3_region"
         )
+    if st.repository_gc_interval_s < 0 or st.repository_gc_grace_s < 0:
+        raise ConfigError("config storage: repository_gc_interval_s and repository_gc_grace_s must be >= 0 "
+                          "(interval 0 turns the repository collection off)")
     if cfg.sandbox.default_timeout_s > cfg.sandbox.max_timeout_s:
         raise ConfigError("config sandbox: default_timeout_s exceeds max_timeout_s")
     if cfg.snapshot.capture_buffer_mib < 0 or cfg.snapshot.capture_buffers < 0:

@@ -543,3 +543,240 @@ def test_s3_server_without_conditional_writes_is_refused(big_s3) -> None:  # typ
         assert sorted(repo.list_manifests()) == [sandbox_record_id("iold")]
     finally:
         delete_bucket(repo)
+
+
+# -- garbage collection ---------------------------------------------------------------------------------------
+
+
+class Chains:
+    """Three sandboxes' published chains (persist.py's manifest shape) in one repository:
+
+    * ``ka`` was killed: its record is gone, its snapshot ``snap-ka1`` and layers ``da1``/``ma1`` unreachable;
+    * ``pb`` is paused after three pauses: its record names ``snap-pb3``; ``snap-pb1``/``snap-pb2`` (and the
+      memory layers ``mb1``/``mb2`` only they name) are superseded; its disk chain ``db1``..``db3`` is all
+      reachable from ``snap-pb3``;
+    * ``rc`` is running (claimed after its first publish): its record still names ``snap-rc1``;
+    * ``nd`` was claimed before any publish (a record with no snapshot).
+
+    ``base`` (the disk base) and ``m0`` (a template's RAM image) are shared by every chain.
+    """
+
+    def __init__(self, repo: Repository, tmp: Path) -> None:
+        self.repo, self.tmp = repo, tmp / "layers"
+        self.tmp.mkdir()
+        self.d: dict[str, str] = {}
+        self.paths: dict[str, Path] = {}
+        for i, name in enumerate(["base", "m0", "da1", "ma1", "db1", "db2", "db3", "mb1", "mb2", "mb3", "dc1",
+                                  "new"]):
+            self.d[name], self.paths[name] = write_layer(self.tmp, pattern(3000 + 101 * i, 100 + i), name)
+        self.publish("ka", "snap-ka1", ["base", "da1"], ["m0", "ma1"])
+        assert self.repo.drop_ownership("ka", "node-a")  # the kill
+        self.publish("pb", "snap-pb1", ["base", "db1"], ["m0", "mb1"])
+        self.publish("pb", "snap-pb2", ["base", "db1", "db2"], ["m0", "mb2"])
+        self.publish("pb", "snap-pb3", ["base", "db1", "db2", "db3"], ["m0", "mb3"])
+        self.publish("rc", "snap-rc1", ["base", "dc1"], ["m0"])
+        self.repo.claim_sandbox("rc", "node-b")
+        self.repo.claim_sandbox("nd", "node-a")
+
+    def manifest(self, snap: str, disk: list[str], memory: list[str]) -> dict[str, object]:
+        return {"version": 1, "snapshot_id": snap, "vmstate_b64": "",
+                "disk_layers": [{"digest": self.d[n], "size": self.paths[n].stat().st_size, "virtual_size": 0}
+                                for n in disk],
+                "memory_layers": [self.d[n] for n in memory]}
+
+    def publish(self, sid: str, snap: str, disk: list[str], memory: list[str], *, record: bool = True) -> None:
+        """What publish_snapshot does: commit (layers, then the manifest), then move the record."""
+        paths = {self.d[n]: self.paths[n] for n in disk + memory}
+        self.repo.commit_snapshot(snap, self.manifest(snap, disk, memory), paths)
+        if record:
+            self.repo.release_sandbox(sid, "node-a", snap)
+
+    def digests(self, *names: str) -> set[str]:
+        return {self.d[n] for n in names}
+
+    def size(self, *names: str) -> int:
+        return sum(self.paths[n].stat().st_size for n in names)
+
+    REACHABLE_MANIFESTS = {"sandbox-pb", "sandbox-rc", "sandbox-nd", "snap-pb3", "snap-rc1"}
+    GARBAGE_MANIFESTS = {"snap-ka1", "snap-pb1", "snap-pb2"}
+    REACHABLE_LAYERS = ("base", "m0", "db1", "db2", "db3", "mb3", "dc1")
+    GARBAGE_LAYERS = ("da1", "ma1", "mb1", "mb2")
+
+
+def age_everything(repo: Repository) -> float:
+    """Make every object in the repository older than the grace returned (posix_fs: back-date the mtimes;
+    s3, whose LastModified cannot be set and has one-second resolution: wait)."""
+    if isinstance(repo, PosixFsRepository):
+        old = time.time() - 7200
+        for p in repo.root.rglob("*"):
+            if p.is_file():
+                os.utime(p, (old, old))
+        return 3600.0
+    time.sleep(3.2)
+    return 2.0
+
+
+def reuse_marks(repo: Repository) -> list[str]:
+    if isinstance(repo, PosixFsRepository):
+        return []
+    return [k for k, _ in repo._list_objects("reuse/")]  # type: ignore[attr-defined]
+
+
+def test_gc_removes_exactly_the_unreachable(repo: Repository, tmp_path: Path) -> None:
+    c = Chains(repo, tmp_path)
+    assert set(repo.list_manifests()) == Chains.REACHABLE_MANIFESTS | Chains.GARBAGE_MANIFESTS
+    assert set(repo.list_layers()) == c.digests(*Chains.REACHABLE_LAYERS, *Chains.GARBAGE_LAYERS)
+    report = repo.collect_garbage(0)
+    assert set(report.manifests_removed) == Chains.GARBAGE_MANIFESTS
+    assert set(report.layers_removed) == c.digests(*Chains.GARBAGE_LAYERS)
+    assert report.bytes_removed == c.size(*Chains.GARBAGE_LAYERS)
+    assert report.records == 3 and report.manifests_kept == 2 and report.layers_kept == 7
+    assert not report.missing_manifests and not report.unreadable_manifests and not report.dry_run
+    assert set(repo.list_manifests()) == Chains.REACHABLE_MANIFESTS
+    assert set(repo.list_layers()) == c.digests(*Chains.REACHABLE_LAYERS)
+    # what stays is still whole: every kept snapshot reads back, every layer it names is there
+    for snap in ("snap-pb3", "snap-rc1"):
+        m = repo.get_manifest(snap)
+        for d in [x["digest"] for x in m["disk_layers"]] + m["memory_layers"]:
+            assert repo.read_layer(d) == c.paths[next(n for n, v in c.d.items() if v == d)].read_bytes()
+    assert repo.get_ownership("rc").state == OWNER_RUNNING  # records are never touched
+    assert reuse_marks(repo) == []  # s3: every reuse mark was older than the cut-off
+    # a second collection finds nothing more
+    again = repo.collect_garbage(0)
+    assert again.manifests_removed == [] and again.layers_removed == [] and again.bytes_removed == 0
+    no_leftovers(repo)
+
+
+def test_gc_large_grace_and_dry_run_remove_nothing(repo: Repository, tmp_path: Path) -> None:
+    c = Chains(repo, tmp_path)
+    before = (sorted(repo.list_manifests()), sorted(repo.list_layers()))
+    marks = reuse_marks(repo)
+    report = repo.collect_garbage(3600)
+    assert report.manifests_removed == [] and report.layers_removed == [] and report.bytes_removed == 0
+    assert report.manifests_kept == 5 and report.layers_kept == 11
+    assert (sorted(repo.list_manifests()), sorted(repo.list_layers())) == before
+    dry = repo.collect_garbage(0, dry_run=True)
+    assert dry.dry_run
+    assert set(dry.manifests_removed) == Chains.GARBAGE_MANIFESTS  # what it would remove...
+    assert set(dry.layers_removed) == c.digests(*Chains.GARBAGE_LAYERS)
+    assert dry.bytes_removed == c.size(*Chains.GARBAGE_LAYERS)
+    assert (sorted(repo.list_manifests()), sorted(repo.list_layers())) == before  # ... and removed nothing
+    assert reuse_marks(repo) == marks
+    # a collection told to stop before it sweeps removes nothing either
+    stop = threading.Event()
+    stop.set()
+    stopped = repo.collect_garbage(0, stop=stop)
+    assert stopped.stopped and stopped.manifests_removed == [] and stopped.layers_removed == []
+    assert (sorted(repo.list_manifests()), sorted(repo.list_layers())) == before
+
+
+def test_gc_spares_a_layer_a_publish_reuses(repo: Repository, tmp_path: Path) -> None:
+    """An old layer nothing reaches is reused by a publish in progress on another node: the reuse (the real
+    ``put_layer`` / ``commit_snapshot`` path, which stores nothing for a present layer) refreshes its age, so
+    a collection between the layer step and the record step leaves it, and every other old garbage goes."""
+    c = Chains(repo, tmp_path)
+    grace = age_everything(repo)
+    # publish 1, layer step done, manifest not yet written: it re-put ma1 (killed ka's memory layer)
+    assert repo.put_layer(c.d["ma1"], c.paths["ma1"]) == layer_key(c.d["ma1"])
+    # publish 2, manifest written, record not yet: it reuses da1 and mb1 and uploads a new layer
+    c.publish("qq", "snap-qq1", ["base", "da1", "new"], ["m0", "mb1"], record=False)
+    report = repo.collect_garbage(grace)
+    assert set(report.manifests_removed) == Chains.GARBAGE_MANIFESTS
+    assert set(report.layers_removed) == c.digests("mb2")  # the only old garbage nobody reused
+    assert set(repo.list_layers()) == c.digests(*Chains.REACHABLE_LAYERS, "da1", "ma1", "mb1", "new")
+    assert "snap-qq1" in repo.list_manifests()
+    # the publish completes; once it is older than the grace, only then-unreachable things go
+    repo.release_sandbox("qq", "node-a", "snap-qq1")
+    later = repo.collect_garbage(0)
+    assert set(later.layers_removed) == c.digests("ma1")  # reused by a publish that never wrote a manifest
+    assert set(repo.list_manifests()) == Chains.REACHABLE_MANIFESTS | {"sandbox-qq", "snap-qq1"}
+    no_leftovers(repo)
+
+
+def test_gc_without_reuse_refresh_would_remove_it(repo: Repository, tmp_path: Path) -> None:
+    """The control for the test above: the same old layer, not reused, is removed."""
+    c = Chains(repo, tmp_path)
+    grace = age_everything(repo)
+    assert repo.has_layer(c.d["ma1"])
+    report = repo.collect_garbage(grace)
+    assert c.d["ma1"] in report.layers_removed and not repo.has_layer(c.d["ma1"])
+    # and a re-put after that uploads it again
+    repo.put_layer(c.d["ma1"], c.paths["ma1"])
+    assert repo.read_layer(c.d["ma1"]) == c.paths["ma1"].read_bytes()
+
+
+def test_posix_put_layer_hard_links_on_the_same_filesystem(tmp_path: Path) -> None:
+    repo = PosixFsRepository(tmp_path / "repo")
+    data = pattern(200_000, 7)
+    d, p = write_layer(tmp_path, data)
+    old = time.time() - 86400
+    os.utime(p, (old, old))
+    repo.put_layer(d, p)
+    stored = Path(repo.local_path(d))  # type: ignore[arg-type]
+    assert os.stat(stored).st_ino == os.stat(p).st_ino and os.stat(p).st_nlink == 2  # one copy on disk
+    assert stored.read_bytes() == data
+    assert time.time() - os.stat(stored).st_mtime < 600  # its repository age starts at the put
+    # the node's local file can go (its own GC): the repository keeps the bytes
+    p.unlink()
+    assert repo.read_layer(d) == data
+    # a wrong digest is still refused, and nothing is left behind
+    _, bad_p = write_layer(tmp_path, pattern(1000, 8))
+    with pytest.raises(DigestMismatch):
+        repo.put_layer(digest(b"something else"), bad_p)
+    assert repo.list_layers() == [d] and os.stat(bad_p).st_nlink == 1
+    no_leftovers(repo)
+
+
+def test_posix_put_layer_racing_itself_leaves_no_temporary_link(tmp_path: Path) -> None:
+    """Two puts of one layer both link it; the second's rename onto a link of the same inode is a no-op in
+    POSIX, which once left its temporary name behind (found by a node publishing three pauses at once)."""
+    repo = PosixFsRepository(tmp_path / "repo")
+    d, p = write_layer(tmp_path, pattern(100_000, 9))
+    repo.put_layer(d, p)
+    final = Path(repo.local_path(d))  # type: ignore[arg-type]
+    assert repo._link_layer(d, p, final, d.split(":", 1)[1])  # what the slower of two racing puts does
+    no_leftovers(repo)
+    assert os.stat(p).st_nlink == 2
+
+
+def test_posix_put_layer_copies_what_it_cannot_link(tmp_path: Path) -> None:
+    """A pipe (not a regular file) is copied; so is a file on another filesystem (EXDEV), when /dev/shm is one."""
+    repo = PosixFsRepository(tmp_path / "repo")
+    data = pattern(100_000, 9)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(data))
+    writer.start()
+    repo.put_layer(digest(data), fifo)
+    writer.join(10)
+    assert repo.read_layer(digest(data)) == data and os.stat(repo.local_path(digest(data))).st_nlink == 1  # type: ignore[arg-type]
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
+        other = pattern(50_000, 10)
+        src = shm / f"aenv-test-{os.getpid()}-{random.getrandbits(32):08x}"
+        try:
+            src.write_bytes(other)
+            repo.put_layer(digest(other), src)
+            stored = os.stat(repo.local_path(digest(other)))  # type: ignore[arg-type]
+            assert stored.st_ino != os.stat(src).st_ino and repo.read_layer(digest(other)) == other
+        finally:
+            src.unlink()
+    no_leftovers(repo)
+
+
+def test_gc_is_conservative_about_what_it_cannot_read(repo: Repository, tmp_path: Path) -> None:
+    """A record naming an absent manifest is reported; a kept manifest whose layers cannot be read stops the
+    layer sweep (its layers are unknown) until it is collected itself; a bad grace is refused."""
+    c = Chains(repo, tmp_path)
+    repo.release_sandbox("lost", "node-a", "snap-gone")
+    repo.put_manifest("snap-odd", {"disk_layers": [{"size": 1}], "memory_layers": []})  # no digest: unreadable
+    report = repo.collect_garbage(3600)
+    assert report.missing_manifests == ["snap-gone"] and report.unreadable_manifests == ["snap-odd"]
+    report = repo.collect_garbage(0)  # snap-odd is unreachable and now old enough: it goes, unread
+    assert "snap-odd" in report.manifests_removed and report.unreadable_manifests == []
+    assert set(report.layers_removed) == c.digests(*Chains.GARBAGE_LAYERS)
+    repo.put_manifest("sandbox-bad", {"snapshot_id": 5})  # a record naming nothing usable: ignored
+    assert repo.collect_garbage(0).manifests_removed == []
+    assert "sandbox-bad" in repo.list_manifests()
+    with pytest.raises(ValueError):
+        repo.collect_garbage(-1)

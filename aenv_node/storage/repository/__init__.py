@@ -1,6 +1,7 @@
 """The layer repository: persistent, shared store of immutable layers and snapshot manifests.
 
 One interface (``Repository``), two backends: ``posix_fs`` (a directory, the default) and ``s3``.
+``Repository.collect_garbage`` (gc.py) removes what no sandbox record reaches any more.
 ``open_repository(kind, **options)`` builds one from the node's ``[storage]`` configuration.
 """
 
@@ -12,6 +13,7 @@ from .base import (
     OWNER_PAUSED,
     OWNER_RUNNING,
     CommitResult,
+    ObjectInfo,
     Ownership,
     Repository,
     digest_of_file,
@@ -33,11 +35,14 @@ from .errors import (
     RepositoryError,
     RepositoryUnavailable,
 )
+from .gc import GcReport
 from .posix_fs import PosixFsRepository
 
 __all__ = [
     "Repository",
     "CommitResult",
+    "GcReport",
+    "ObjectInfo",
     "PosixFsRepository",
     "S3Repository",
     "open_repository",

@@ -36,7 +36,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional
 
 from .errors import (
     DigestMismatch,
@@ -46,6 +46,11 @@ from .errors import (
     OwnershipConflict,
     OwnershipUnsupported,
 )
+
+if TYPE_CHECKING:
+    import threading
+
+    from .gc import GcReport
 
 __all__ = [
     "Repository",
@@ -61,6 +66,7 @@ __all__ = [
     "OWNER_PAUSED",
     "OWNER_RUNNING",
     "sandbox_record_id",
+    "ObjectInfo",
 ]
 
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
@@ -178,6 +184,15 @@ class Ownership:
 _READ: Any = object()  # "read the record yourself" (the default of ``expect``)
 
 
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What garbage collection needs to know about a stored object: when it was last written *or reused*
+    (seconds since the epoch; ``Repository.touch_layer`` moves it forward) and its size in bytes."""
+
+    mtime: float
+    size: int
+
+
 @dataclass
 class CommitResult:
     """What ``commit_snapshot`` did: which layers it uploaded, which were already present."""
@@ -198,7 +213,8 @@ class Repository(abc.ABC):
         """Store the file at ``path`` as layer ``digest``; return its location (repository key).
 
         The bytes are hashed while they are stored; if they do not hash to ``digest`` nothing becomes visible
-        and ``DigestMismatch`` is raised.  If the layer is already present this is a no-op (content-addressed).
+        and ``DigestMismatch`` is raised.  If the layer is already present nothing is stored (content-addressed)
+        but its age is refreshed (``touch_layer``), so a garbage collection does not sweep a layer being reused.
         ``path`` is read front to back once, so it may be a pipe.
         """
 
@@ -350,6 +366,45 @@ class Repository(abc.ABC):
         """Remove leftovers of writers that crashed mid-put (temp files, pending multipart uploads) older than
         ``older_than_s``; return how many were removed.  Never touches complete objects."""
 
+    # -- object ages (garbage collection, see gc.py) ----------------------------------------------------
+    @abc.abstractmethod
+    def touch_layer(self, digest: str) -> bool:
+        """Record that a publish is reusing layer ``digest`` right now (its ``ObjectInfo.mtime`` becomes
+        "now"), so a concurrent garbage collection does not sweep it; False if the layer is absent."""
+
+    @abc.abstractmethod
+    def layer_infos(self) -> dict[str, ObjectInfo]:
+        """Every complete layer with its age and size, in as few requests as the backend allows."""
+
+    @abc.abstractmethod
+    def layer_info(self, digest: str) -> Optional[ObjectInfo]:
+        """One layer's age and size, read now (None if absent): the re-check right before a delete."""
+
+    @abc.abstractmethod
+    def manifest_infos(self) -> dict[str, ObjectInfo]:
+        """Every manifest (snapshot manifests and ``sandbox-<id>`` records) with its age and size."""
+
+    @abc.abstractmethod
+    def manifest_info(self, manifest_id: str) -> Optional[ObjectInfo]:
+        """One manifest's age and size, read now (None if absent)."""
+
+    def sweep_reuse_marks(self, older_than: float, *, dry_run: bool = False) -> int:
+        """Remove the backend's records of layer reuse written before ``older_than`` (epoch seconds); return
+        how many.  Backends that refresh the layer object itself (posix_fs) keep none."""
+        return 0
+
+    def collect_garbage(self, grace_s: float, *, dry_run: bool = False,
+                        stop: Optional["threading.Event"] = None) -> "GcReport":
+        """Remove snapshot manifests and layers no ``sandbox-<id>`` record reaches, older than ``grace_s``.
+
+        See gc.py for the rules and the assumptions that make it safe next to publishers on other nodes
+        (chiefly: a publish completes within ``grace_s``).  ``dry_run`` computes the same report and removes
+        nothing; ``stop`` (set from another thread) ends the sweep early, between two deletions.
+        """
+        from .gc import collect_garbage
+
+        return collect_garbage(self, grace_s, dry_run=dry_run, stop=stop)
+
     def close(self) -> None:
         """Release connections / descriptors."""
 
@@ -378,13 +433,16 @@ class Repository(abc.ABC):
         check_manifest_id(manifest_id)
         data = encode_manifest(manifest)  # fail on a bad manifest before uploading anything
         result = CommitResult(manifest_id)
+        # Reused layers (already present, or required from parent snapshots) are *touched*, not just checked:
+        # that moves their age forward so a garbage collection running meanwhile on any node leaves them
+        # alone until this manifest is written and reaches them (gc.py).
         for digest, path in layer_paths.items():
-            if self.has_layer(digest):
+            if self.touch_layer(digest):
                 result.already_present.append(digest)
             else:
                 self.put_layer(digest, path)
                 result.uploaded.append(digest)
-        missing = [d for d in dict.fromkeys(require) if d not in layer_paths and not self.has_layer(d)]
+        missing = [d for d in dict.fromkeys(require) if d not in layer_paths and not self.touch_layer(d)]
         if missing:
             raise IncompleteSnapshot(manifest_id, missing)
         self._put_manifest_bytes(manifest_id, data)

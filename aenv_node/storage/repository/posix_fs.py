@@ -10,7 +10,10 @@ Atomic commits use the classic sequence: write to a temporary name *in the same 
 listed), ``fsync`` it, ``rename`` it over the final name, ``fsync`` the directory.  ``rename`` within one
 directory is atomic on POSIX filesystems (and on the usual distributed ones), so a reader sees either no file
 or the whole file; the two fsyncs make the result survive a power cut in that order.  Layers are hashed while
-they are copied in, so a file that does not match its digest never gets a final name.
+they are copied in, so a file that does not match its digest never gets a final name.  A layer file on the
+repository's own filesystem is hard-linked instead of copied (``put_layer``), so a repository next to the
+node's layers directory costs no second copy of each layer.  A layer's mtime is its age for garbage
+collection (gc.py): a reuse refreshes it (``touch_layer``).
 
 Sandbox ownership records (``manifests/sandbox-<id>.json``, see base.py) change by compare-and-swap: an
 exclusive ``fcntl.flock`` on one of 256 lock files (``<root>/locks/<xx>.lock``, picked by a hash of the record
@@ -34,6 +37,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import threading
 import time
 import uuid
@@ -42,6 +46,7 @@ from typing import Iterator, Optional
 
 from .base import (
     READ_CHUNK,
+    ObjectInfo,
     Repository,
     check_digest,
     iter_file,
@@ -62,6 +67,8 @@ __all__ = ["PosixFsRepository"]
 _TMP_PREFIX = ".tmp-"
 #: Ownership records are locked by stripe: one of this many lock files, picked by a hash of the record id.
 _LOCK_STRIPES = 256
+#: ``link()`` errors that mean "this filesystem or policy does not allow a hard link here": copy instead.
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -132,11 +139,28 @@ class PosixFsRepository(Repository):
 
     # -- layers -------------------------------------------------------------------------------------------
     def put_layer(self, digest: str, path: str | os.PathLike[str]) -> str:
+        """Store a layer: hard-linked when ``path`` is a regular file on the repository's filesystem, else copied.
+
+        A node's layer files are immutable and content-addressed, so when the repository lives on the same
+        filesystem (the default ``<state>/repository`` next to ``<state>/layers``) a second copy only doubles
+        the disk used: the file is linked to a temporary name in the layer's directory, its size checked
+        against the source, its bytes hashed (kept: it costs a read, not a write, and catches a caller that
+        passes the wrong digest or a file that changed), its mtime set to now (the link shares the inode, so
+        the source's mtime moves too; garbage collection reads a layer's age from it), then renamed into
+        place.  Where linking is refused (``EXDEV``: another filesystem; ``EPERM``/``EACCES``/``EMLINK``/
+        ``ENOTSUP``: a filesystem or policy without hard links) the bytes are copied and hashed as before.
+        A layer already present is only touched (``touch_layer``).
+        """
         hexd = check_digest(digest)
         final = self._layer_path(digest)
         key = layer_key(digest)
-        if final.exists():
+        if self.touch_layer(digest):
             return key
+        try:
+            if self._link_layer(digest, path, final, hexd):
+                return key
+        except OSError as e:
+            raise RepositoryError(f"cannot store layer {digest} from {os.fspath(path)} in {self.root}: {e}") from e
         h = hashlib.sha256()
 
         def hashed():  # type: ignore[no-untyped-def]
@@ -149,6 +173,118 @@ class PosixFsRepository(Repository):
         except OSError as e:
             raise RepositoryError(f"cannot store layer {digest} from {os.fspath(path)} in {self.root}: {e}") from e
         return key
+
+    def _link_layer(self, digest: str, path: str | os.PathLike[str], final: Path, hexd: str) -> bool:
+        """Hard-link ``path`` into place as ``final`` (see ``put_layer``); False if linking is not possible."""
+        try:
+            src = os.stat(path)
+        except OSError:
+            return False  # let the copy path report it
+        if not stat.S_ISREG(src.st_mode):
+            return False  # a pipe or device: copy it
+        directory = final.parent
+        if not directory.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.durable:
+                _fsync_dir(directory.parent)
+        tmp = self._tmp_name(directory, hexd[:16])
+        try:
+            os.link(path, tmp)
+        except OSError as e:
+            if e.errno in _NO_LINK:
+                return False
+            raise
+        try:
+            h = hashlib.sha256()
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                if size != src.st_size:
+                    raise RepositoryError(f"layer {digest}: {os.fspath(path)} changed size while it was linked "
+                                          f"({src.st_size} -> {size} bytes)")
+                got = 0
+                while True:
+                    b = os.read(fd, READ_CHUNK)
+                    if not b:
+                        break
+                    h.update(b)
+                    got += len(b)
+                if got != size:
+                    raise RepositoryError(f"layer {digest}: read {got} bytes of {size} from {os.fspath(path)}")
+                verify_digest(digest, h, os.fspath(path))
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.utime(tmp, None)  # its age in the repository starts now (gc.py)
+            self._publish(tmp, final)
+            # rename() of a link onto another link of the same inode does nothing and succeeds (POSIX): when
+            # a concurrent put of the same layer linked it first, the temporary name is still there
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return True
+
+    def touch_layer(self, digest: str) -> bool:
+        try:
+            os.utime(self._layer_path(digest), None)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise RepositoryError(f"cannot refresh the age of layer {digest} in {self.root} (garbage collection "
+                                  f"could remove it while it is reused): {e}") from e
+        return True
+
+    def layer_infos(self) -> dict[str, ObjectInfo]:
+        out: dict[str, ObjectInfo] = {}
+        base = self.root / "layers" / "sha256"
+        for sub in sorted(base.iterdir()) if base.is_dir() else ():
+            if not sub.is_dir():
+                continue
+            with os.scandir(sub) as it:
+                for e in it:
+                    if e.name.startswith(".") or len(e.name) != 64:
+                        continue
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    out["sha256:" + e.name] = ObjectInfo(st.st_mtime, st.st_size)
+        return out
+
+    def layer_info(self, digest: str) -> Optional[ObjectInfo]:
+        try:
+            st = self._layer_path(digest).stat()
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(st.st_mtime, st.st_size)
+
+    def manifest_infos(self) -> dict[str, ObjectInfo]:
+        out: dict[str, ObjectInfo] = {}
+        with os.scandir(self.root / "manifests") as it:
+            for e in it:
+                if e.name.startswith(".") or not e.name.endswith(".json"):
+                    continue
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                out[e.name[: -len(".json")]] = ObjectInfo(st.st_mtime, st.st_size)
+        return out
+
+    def manifest_info(self, manifest_id: str) -> Optional[ObjectInfo]:
+        try:
+            st = (self.root / manifest_key(manifest_id)).stat()
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(st.st_mtime, st.st_size)
 
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0:

@@ -1,6 +1,8 @@
 """``s3``: a repository in an S3-compatible object store (AWS S3, MinIO, Ceph RGW, ...), through boto3.
 
-Keys are ``<prefix>layers/sha256/ab/<hex>`` and ``<prefix>manifests/<id>.json`` (the same layout as posix_fs).
+Keys are ``<prefix>layers/sha256/ab/<hex>`` and ``<prefix>manifests/<id>.json`` (the same layout as posix_fs),
+plus ``<prefix>reuse/sha256/<hex>/<unique>``: empty marks recording that a publish reused a layer, which
+garbage collection (gc.py) reads as the layer's age and removes once old (see ``touch_layer``).
 
 Atomicity comes from S3 itself: an object becomes visible only when its PUT completes, or when
 ``CompleteMultipartUpload`` succeeds for a multipart upload.  Layers larger than ``multipart_threshold`` are
@@ -35,6 +37,7 @@ import datetime as dt
 import hashlib
 import os
 import threading
+import time
 import uuid
 from typing import Any, Callable, Optional, TypeVar
 
@@ -45,6 +48,7 @@ import botocore.exceptions
 from .base import (
     OWNER_DELETING,
     READ_CHUNK,
+    ObjectInfo,
     Repository,
     check_digest,
     decode_manifest,
@@ -197,7 +201,7 @@ class S3Repository(Repository):
     def put_layer(self, digest: str, path: str | os.PathLike[str]) -> str:
         check_digest(digest)
         key = self._layer_key(digest)
-        if self._head(key) is not None:
+        if self.touch_layer(digest):
             return layer_key(digest)
         h = hashlib.sha256()
         chunks = iter_file(path, READ_CHUNK)
@@ -312,17 +316,93 @@ class S3Repository(Repository):
         self._call("delete layer", self.client.delete_object, Key=self._layer_key(digest))
 
     def _list(self, sub: str) -> list[str]:
+        return [rel for rel, _ in self._list_objects(sub)]
+
+    def _list_objects(self, sub: str) -> list[tuple[str, ObjectInfo]]:
+        """(key relative to ``prefix + sub``, LastModified and Size) of every object under it."""
         pfx = self.prefix + sub
-        out: list[str] = []
+        out: list[tuple[str, ObjectInfo]] = []
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=pfx)
         try:
             for page in pages:
-                out.extend(o["Key"][len(pfx) :] for o in page.get("Contents", ()))
+                out.extend((o["Key"][len(pfx) :], ObjectInfo(o["LastModified"].timestamp(), int(o["Size"])))
+                           for o in page.get("Contents", ()))
         except botocore.exceptions.BotoCoreError as e:
             raise RepositoryUnavailable(f"listing {self._where(pfx)}: {e}") from e
         except botocore.exceptions.ClientError as e:
             raise RepositoryError(f"listing {self._where(pfx)}: {e}") from e
         return out
+
+    # -- object ages (gc.py) ------------------------------------------------------------------------------
+    # A reuse is recorded as a *reuse mark*: an empty object ``<prefix>reuse/sha256/<hex>/<unique>`` whose
+    # LastModified is the time of the reuse; a layer's age is that of its newest write or mark.  Why not
+    # refresh the layer object itself (CopyObject onto itself with MetadataDirective=REPLACE)?  That copies
+    # the object's bytes server-side: layers are up to gigabytes (a template's RAM image is reused by every
+    # publish of every sandbox made from it), a copy takes seconds per GiB and CopyObject stops at 5 GiB.
+    # A mark is one empty PUT whatever the layer's size.  Each mark has a unique key, so the collection can
+    # remove old marks without racing a new reuse (which writes a new key, never overwrites the old one).
+    def _mark_prefix(self, digest: str) -> str:
+        return f"reuse/sha256/{check_digest(digest)}/"
+
+    def touch_layer(self, digest: str) -> bool:
+        key = self._layer_key(digest)
+        if self._head(key) is None:
+            return False  # absent: no mark (the caller uploads it, and a new layer is young anyway)
+        mark = f"{self.prefix}{self._mark_prefix(digest)}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+        self._call("mark layer reuse", self.client.put_object, Key=mark, Body=b"")
+        # present after the mark: a collection that re-checks from now on sees the mark; one that deleted
+        # the layer before this check makes this return False, and the caller uploads it again
+        return self._head(key) is not None
+
+    def _marks(self, sub: str = "") -> dict[str, list[tuple[str, ObjectInfo]]]:
+        """Reuse marks by layer hex: [(key relative to the prefix, info)]."""
+        out: dict[str, list[tuple[str, ObjectInfo]]] = {}
+        for rel, info in self._list_objects("reuse/sha256/" + sub):
+            full = "reuse/sha256/" + sub + rel
+            parts = full.split("/")
+            if len(parts) == 4 and len(parts[2]) == 64:
+                out.setdefault(parts[2], []).append((full, info))
+        return out
+
+    @staticmethod
+    def _aged(info: ObjectInfo, marks: list[tuple[str, ObjectInfo]]) -> ObjectInfo:
+        newest = max([info.mtime] + [m.mtime for _, m in marks])
+        return ObjectInfo(newest, info.size)
+
+    def layer_infos(self) -> dict[str, ObjectInfo]:
+        marks = self._marks()
+        out: dict[str, ObjectInfo] = {}
+        for rel, info in self._list_objects("layers/sha256/"):
+            name = rel.rsplit("/", 1)[-1]
+            if len(name) == 64:
+                out["sha256:" + name] = self._aged(info, marks.get(name, []))
+        return out
+
+    def layer_info(self, digest: str) -> Optional[ObjectInfo]:
+        head = self._head(self._layer_key(digest))
+        if head is None:
+            return None
+        hexd = check_digest(digest)
+        marks = self._marks(hexd + "/").get(hexd, [])
+        return self._aged(ObjectInfo(head["LastModified"].timestamp(), int(head["ContentLength"])), marks)
+
+    def manifest_infos(self) -> dict[str, ObjectInfo]:
+        return {rel[: -len(".json")]: info for rel, info in self._list_objects("manifests/")
+                if rel.endswith(".json") and "/" not in rel and not rel.startswith(".")}
+
+    def manifest_info(self, manifest_id: str) -> Optional[ObjectInfo]:
+        head = self._head(self.prefix + manifest_key(manifest_id))
+        if head is None:
+            return None
+        return ObjectInfo(head["LastModified"].timestamp(), int(head["ContentLength"]))
+
+    def sweep_reuse_marks(self, older_than: float, *, dry_run: bool = False) -> int:
+        old = [key for marks in self._marks().values() for key, info in marks if info.mtime < older_than]
+        if not dry_run:
+            for i in range(0, len(old), 1000):  # DeleteObjects takes up to 1000 keys
+                self._call("delete reuse marks", self.client.delete_objects,
+                           Delete={"Objects": [{"Key": self.prefix + k} for k in old[i:i + 1000]], "Quiet": True})
+        return len(old)
 
     def list_layers(self) -> list[str]:
         out = []
