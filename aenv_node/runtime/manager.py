@@ -224,6 +224,7 @@ class SandboxManager:
                     nursery.start_soon(self._ttl_loop)
                     nursery.start_soon(self._warm_capture_buffers)
                     nursery.start_soon(self.gc.run)
+                    nursery.start_soon(self._repository_gc_loop)
                     if self.cfg.snapshot.periodic_interval_s > 0:
                         nursery.start_soon(self._periodic_loop)
                     if self.build_default_template:
@@ -356,6 +357,43 @@ class SandboxManager:
                     log.info("sandbox %s reached its end: %s", sid, "pausing" if auto_pause else "killing")
                     self._nursery.start_soon(self._expire, sid, auto_pause)  # type: ignore[union-attr]
 
+    async def _repository_gc_loop(self) -> None:
+        """Collect the shared repository every ``storage.repository_gc_interval_s`` (0: never): snapshot
+        manifests no sandbox record reaches and layers no kept manifest names, older than
+        ``storage.repository_gc_grace_s`` (storage/repository/gc.py). The collection runs in a thread this
+        task owns; a cancellation (shutdown) asks it to stop between two deletions and waits for it."""
+        import threading
+
+        st = self.cfg.storage
+        if st.repository_gc_interval_s <= 0:
+            return
+        while True:
+            await trio.sleep(st.repository_gc_interval_s)
+            stop = threading.Event()
+
+            async def stop_on_cancel() -> None:
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    stop.set()
+
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(stop_on_cancel)
+                    report = await trio.to_thread.run_sync(
+                        lambda: self.repo.collect_garbage(st.repository_gc_grace_s, stop=stop))
+                    n.cancel_scope.cancel()
+            except Exception as exc:  # an unreachable repository: try again next interval
+                log.warning("repository garbage collection failed: %s", exc)
+                continue
+            detail = report.summary()
+            log.info("repository gc: removed %d manifests and %d layers (%.1f MiB) in %.1f s; kept %d manifests, "
+                     "%d layers", len(report.manifests_removed), len(report.layers_removed),
+                     report.bytes_removed / 2**20, report.duration_s, report.manifests_kept, report.layers_kept)
+            await self.db.run(lambda s: repo.record_event(
+                s, "repository_gc", subject="node", subject_id=self.node.node_id,
+                duration_ms=report.duration_s * 1000, detail=detail))
+
     async def _periodic_loop(self) -> None:
         """Snapshot every running sandbox each interval, keeping only its newest periodic snapshot.
 
@@ -381,12 +419,12 @@ class SandboxManager:
                 except Exception as exc:
                     log.warning("periodic snapshot of %s failed: %s", sid, exc)
 
-    async def _compact_snapshot(self, snapshot_id: str) -> None:
+    async def _compact_snapshot(self, snapshot_id: str) -> bool:
         """Bound a snapshot's layer chains, in the background: a disk chain longer than
         ``snapshot.compact_after_layers`` becomes base + one layer, a memory chain that long becomes one
         layer over the template's RAM image (each pause adds a layer of dirty pages to both, so a sandbox
         paused and resumed forever would otherwise grow without bound). The replaced layers become
-        garbage for runtime/gc.py."""
+        garbage for runtime/gc.py. True if a chain was compacted."""
         limit = self.cfg.snapshot.compact_after_layers
 
         def chains(s) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
@@ -404,6 +442,7 @@ class SandboxManager:
         from ..storage.compact import compact_layers
         from ..storage.layer import LayerReader
 
+        compacted = False
         for kind, locations in (await self.db.run(chains)).items():
             keep = 1 if kind == "disk" else 0  # the disk base layer stays (shared by every sandbox)
             if len(locations) <= limit or any(loc.startswith(REPO_PREFIX) for loc in locations[keep:]):
@@ -440,7 +479,9 @@ class SandboxManager:
                                   detail={"kind": kind, "layers_before": before, "layers_after": keep + 1})
 
             await self.db.run(swap)
+            compacted = True
             log.info("compacted snapshot %s: %d %s layers -> %d", snapshot_id, len(locations), kind, keep + 1)
+        return compacted
 
     async def _expire(self, sid: str, auto_pause: bool) -> None:
         try:
@@ -729,9 +770,14 @@ class SandboxManager:
             await handle.done.wait()
         self.gc.request("pause")  # the snapshot it ran from is superseded
         if self._nursery is not None:
-            self._nursery.start_soon(self._publish_quietly, out.snapshot_id, sandbox_id)
-            # disk or memory chain past snapshot.compact_after_layers: bound it (a no-op otherwise)
-            self._nursery.start_soon(self._compact_quietly, out.snapshot_id)
+            self._nursery.start_soon(self._after_pause, out.snapshot_id, sandbox_id)
+
+    async def _after_pause(self, snapshot_id: str, sandbox_id: str) -> None:
+        """Publish the pause snapshot, then bound its chains (compaction past
+        ``snapshot.compact_after_layers``; a no-op otherwise). In this order: a compaction replaces layers
+        and the collection after it removes them, which must not happen under an upload of them."""
+        await self._publish_quietly(snapshot_id, sandbox_id)
+        await self._compact_quietly(snapshot_id)
 
     async def _publish_quietly(self, snapshot_id: str, sandbox_id: str) -> None:
         """Commit a pause snapshot to the repository (in the background: the pause has returned).
@@ -752,8 +798,9 @@ class SandboxManager:
     async def _compact_quietly(self, snapshot_id: str) -> None:
         try:
             async with self.gc.pin():  # it reads the chain's files and adds a layer
-                await self._compact_snapshot(snapshot_id)
-            self.gc.request("compact")  # the layers it replaced may be garbage now
+                compacted = await self._compact_snapshot(snapshot_id)
+            if compacted:
+                self.gc.request("compact")  # the layers it replaced are garbage now
         except Exception as exc:
             log.warning("compacting snapshot %s failed: %s", snapshot_id, exc)
 

@@ -3,6 +3,7 @@ the unmodified E2B SDK against a real node (runtime/gc.py)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import secrets
@@ -16,7 +17,7 @@ from e2b import Sandbox
 from sqlalchemy import text
 
 from aenv_node.runtime.gc import REACHABLE_CTE, GarbageCollector, LiveStack
-from aenv_node.state import Database, Layer, Snapshot, SnapshotLayer, Template
+from aenv_node.state import Database, Layer, Snapshot, SnapshotLayer, Template, utcnow
 from aenv_node.state import Sandbox as SandboxRow
 
 from .conftest import DOMAIN, NodeProcess, start_node, stop_node
@@ -273,6 +274,7 @@ class _World:
         self.db = Database(root / "aenv.db")
         self.db.upgrade()
         self.live: list[LiveStack] = []
+        self._clock = 0
         self.gc = GarbageCollector(self.db, layers_dir=self.layers, snapshots_dir=self.snaps,
                                    live=lambda: self.live, orphan_grace_s=3600)
 
@@ -292,8 +294,11 @@ class _World:
         (d / "memory").write_bytes(b"m" * 65536)
         cfg = {"memory": str(d / "memory"), "memory_base": memory_base or str(d / "memory")}
         with self.db.session() as s:
+            # one second apart, in the order made: "newest pause snapshot" must not depend on timer resolution
+            self._clock += 1
             s.add(Snapshot(id=sid, kind=kind, status=status, source_sandbox_id=source, parent_id=parent,
-                           vmstate_location=str(d / "vmstate"), config=cfg))
+                           vmstate_location=str(d / "vmstate"), config=cfg,
+                           created_at=utcnow() + dt.timedelta(seconds=self._clock)))
             s.flush()
             for k, chain in (("disk", disk), ("memory", memory)):
                 for pos, dg in enumerate(chain):
