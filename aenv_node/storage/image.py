@@ -373,7 +373,7 @@ class Image:
             g = self._gen
             up = self._writable()
             frozen = _FrozenUpper(up)
-            new_upper = up.reset(None, keep_files=True)
+            new_upper = up.reset(None, keep_files=True, sync=False)  # made durable by seal_frozen
             k = len(g.layers)
             runs = merge([runs_level(g.runs), layer_level(frozen.extents, owner=k)])
             self._owned.add(id(frozen))
@@ -398,8 +398,11 @@ class Image:
                 layers = cur.layers[:idx] + (layer,) + cur.layers[idx + 1:]
                 runs = merge_layers(layers)
                 digests = _digests(layers)
-                if cur.upper is not None and digests is not None:
-                    cur.upper.set_stack(digests)
+                if cur.upper is not None:
+                    if digests is not None:
+                        cur.upper.set_stack(digests)  # also syncs the directory the freeze did not
+                    else:
+                        cur.upper._sync_dir()
                 self._gen = _Gen(layers, cur.upper, runs, self.size)
                 self._owned.add(id(layer))
                 self._owned.discard(id(frozen))  # closed by refcount once in-flight reads finish

@@ -199,8 +199,10 @@ class Upper:
         self._sync_dir()
         self.stack = None if stack is None else list(stack)
 
-    def _create(self, gen: int, stack: Sequence[str] | None = None) -> None:
-        """Create empty files for ``gen``; the log header, written and synced last, is the commit point."""
+    def _create(self, gen: int, stack: Sequence[str] | None = None, *, sync: bool = True) -> None:
+        """Create empty files for ``gen``; the log header, written and synced last, is the commit point.
+        ``sync`` False: nothing is fsynced here (the first flush's fdatasync of the log makes the header
+        durable; the caller syncs the directory later)."""
         self._write_stack(gen, stack)
         self.stack = None if stack is None else list(stack)
         data_path, log_path = self._paths(gen)
@@ -210,11 +212,12 @@ class Upper:
         hdr = _LOG_HDR.pack(_LOG_MAGIC, 1, F.BLOCK, self.virtual_size, gen)
         hdr += struct.pack("<I", F.crc32(hdr))
         os.write(lfd, hdr + bytes(_LOG_HDR_SIZE - len(hdr)))
-        if self._fsync:
+        if self._fsync and sync:
             os.fsync(dfd)
             os.fsync(lfd)
         os.rename(log_path + ".tmp", log_path)
-        self._sync_dir()
+        if sync:
+            self._sync_dir()
         self._set_files(gen, dfd, lfd)
         self.next_pblock = 0
         self._log_size = _LOG_HDR_SIZE
@@ -468,7 +471,8 @@ class Upper:
                 os.fdatasync(self.log_fd)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
-    def reset(self, stack: Sequence[str] | None = None, *, keep_files: bool = False) -> "Upper":
+    def reset(self, stack: Sequence[str] | None = None, *, keep_files: bool = False,
+              sync: bool = True) -> "Upper":
         """Start the next generation: a fresh, empty upper in the same directory (used after a seal), sitting
         on ``stack`` (layer digests, recorded in the same commit).
 
@@ -476,11 +480,13 @@ class Upper:
         ``keep_files`` (a freeze, sealed later): the old data and log files are renamed ``frozen-data.N`` /
         ``frozen-log.N`` instead, out of the generation scheme, so this object can still be sealed (its
         ``data_path`` follows the rename); ``remove_files()`` deletes them once sealed.
+        ``sync`` False: no fsync at all (a freeze inside a paused VM's capture: under heavy writes each fsync
+        waits for an ext4 journal commit); the next ``set_stack`` or flush makes the new generation durable.
         Returns the new ``Upper``."""
         new = object.__new__(Upper)
         new.path, new.virtual_size, new.nblocks, new._fsync = self.path, self.virtual_size, self.nblocks, self._fsync
         new._chunks, new._pending, new._seq, new._closed = {}, bytearray(), 0, False
-        new._create(self.generation + 1, stack)
+        new._create(self.generation + 1, stack, sync=sync)
         doomed = [self._stack_path(self.generation)]
         if keep_files:
             frozen_data = os.path.join(self.path, f"frozen-data.{self.generation}")
@@ -495,7 +501,8 @@ class Upper:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
-        new._sync_dir()
+        if sync:
+            new._sync_dir()
         return new
 
     def remove_files(self) -> None:
