@@ -25,7 +25,7 @@ from pathlib import Path
 import trio
 
 from .errors import VmmExited, VmmNotInstalled, VmmStartError
-from .seccomp import SeccompFilter
+from .seccomp import SeccompFilter, exec_helper
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -127,8 +127,9 @@ async def vmm_process(
 
     stderr goes to `log_path`; stdout to `stdout_path` (e.g. a serial console) or also to `log_path`.
     `extra_logs`: log files the VMM writes itself, included in error messages.
-    `seccomp`: a filter installed in the child between fork and exec, so the VMM (and `nsenter` before it)
-    runs under it from its first instruction (see `seccomp.py`). Costs a fork+exec instead of vfork.
+    `seccomp`: a filter the VMM (and `nsenter` before it) runs under from its first instruction: installed
+    by the `aenv-seccomp-exec` helper when it is installed, else in the child between fork and exec (which
+    costs a fork of this process instead of a vfork; see `seccomp.py`).
     """
     exe = argv[0]
     if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
@@ -141,6 +142,13 @@ async def vmm_process(
             raise VmmStartError(f"network namespace {netns} does not exist")
         # nsenter execs the VMM in place: the pid we hold is the VMM's.
         full_argv = ["nsenter", f"--net={netns}", "--", *full_argv]
+    preexec = None
+    if seccomp is not None:
+        helper = exec_helper()
+        if helper is not None:  # it installs the filter and execs: the pid stays the VMM's
+            full_argv = [*seccomp.exec_prefix(helper), *full_argv]
+        else:
+            preexec = seccomp.install  # two prctl() calls through pre-built ctypes objects in the child
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_f:
         out_f = open(stdout_path, "wb") if stdout_path is not None else None
@@ -152,8 +160,7 @@ async def vmm_process(
                 stderr=log_f,
                 cwd=str(cwd) if cwd else None,
                 start_new_session=True,  # a ^C to the node must not reach VMMs before we clean up
-                # Only two prctl() calls through pre-built ctypes objects run in the forked child.
-                preexec_fn=seccomp.install if seccomp is not None else None,
+                preexec_fn=preexec,
             )
         finally:
             if out_f is not None:

@@ -64,9 +64,20 @@ def guard_or_skip() -> None:
         pytest.skip(reason)
 
 
-async def test_guard_fakes_punch_hole_and_lets_everything_else_run(guard_or_skip: None, tmp_path: Path) -> None:
-    """Under the guard (installed by vmm_process, as for QEMU) a hole punch returns 0 but leaves the file
-    alone, other fallocate modes work, and MADV_DONTNEED drops a private page back to the file's content."""
+@pytest.mark.parametrize("via", ["helper", "preexec"])
+async def test_guard_fakes_punch_hole_and_lets_everything_else_run(
+    guard_or_skip: None, tmp_path: Path, via: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the guard (installed by vmm_process, as for QEMU: through the aenv-seccomp-exec helper that
+    set-up compiles, or by preexec_fn without it) a hole punch returns 0 but leaves the file alone, other
+    fallocate modes work, and MADV_DONTNEED drops a private page back to the file's content."""
+    import aenv_node.vmm.process as process_mod
+    from aenv_node.vmm.seccomp import exec_helper
+
+    if via == "helper":
+        assert exec_helper() is not None, "scripts/setup.d/25-seccomp-exec.sh did not install aenv-seccomp-exec"
+    else:
+        monkeypatch.setattr(process_mod, "exec_helper", lambda: None)
     data = tmp_path / "image"
     data.write_bytes(b"A" * 8192)
     probe = tmp_path / "probe.py"
