@@ -220,15 +220,9 @@ class PosixFsRepository(Repository):
             self._publish(tmp, final)
             # rename() of a link onto another link of the same inode does nothing and succeeds (POSIX): when
             # a concurrent put of the same layer linked it first, the temporary name is still there
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            tmp.unlink(missing_ok=True)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            tmp.unlink(missing_ok=True)
             raise
         return True
 
