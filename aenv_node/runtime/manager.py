@@ -165,6 +165,7 @@ class SandboxManager:
         self._template_events: dict[str, trio.Event] = {}
         self._template_errors: dict[str, str] = {}
         self._resume_locks: dict[str, trio.Lock] = {}
+        self._republish: list[tuple[str, str]] = []  # (snapshot, sandbox) reconciled to paused
         self._expiring: set[str] = set()
         choice = make_driver(cfg.vmm.kind, accel_override=cfg.vmm.accel,
                              qemu_binary=_which(cfg.vmm.qemu_binary),
@@ -223,6 +224,8 @@ class SandboxManager:
                     nursery.start_soon(run_janitor, cache)
                     nursery.start_soon(self._ttl_loop)
                     nursery.start_soon(self._warm_capture_buffers)
+                    for snapshot_id, sid in self._republish:
+                        nursery.start_soon(self._after_pause, snapshot_id, sid)
                     nursery.start_soon(self.gc.run)
                     nursery.start_soon(self._repository_gc_loop)
                     if self.cfg.snapshot.periodic_interval_s > 0:
@@ -303,6 +306,7 @@ class SandboxManager:
                                     snapshot_id=periodic.id, vmm_pid=None, slot_index=None,
                                     detail={"reason": "the node restarted: paused at its latest periodic "
                                                       "snapshot", "snapshot_id": periodic.id})
+                    republish.append((periodic.id, sb.id))
                     continue
                 if current != SandboxState.KILLING:
                     repo.transition(s, sb.id, SandboxState.KILLING, operation="reconcile")
@@ -312,7 +316,11 @@ class SandboxManager:
             s.execute(delete(NetworkSlot))
             return found
 
+        republish: list[tuple[str, str]] = []
         found = await self.db.run(work)
+        # published as a pause once the manager runs, so its repository record says paused (and other
+        # nodes may resume it) instead of running on this node
+        self._republish = republish
         import shutil
 
         for sid, pid in found:

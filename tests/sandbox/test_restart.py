@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -89,6 +90,15 @@ def test_periodic_snapshot_turns_a_crash_into_a_pause(monkeypatch: pytest.Monkey
         node.proc.wait()
         node = _start(state, port, pool)
         assert node.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'") == [("paused",)]
+        periodic = node.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
+        # published like a pause: the repository's record says paused at that snapshot (another node may
+        # resume it), not running here
+        record = state / "repository" / "manifests" / f"sandbox-{sb.sandbox_id}.json"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not record.exists():
+            time.sleep(0.5)
+        doc = json.loads(record.read_text())
+        assert (doc["snapshot_id"], doc["state"]) == (periodic, "paused"), doc
         back = Sandbox.connect(sb.sandbox_id)
         assert back.files.read("/home/user/progress.txt") == "step 41"
         back.kill()
