@@ -47,9 +47,7 @@ import datetime as dt
 import json
 import os
 import shutil
-import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,30 +60,26 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aenv_node.storage import LayerReader, materialize  # noqa: E402
 from aenv_node.vmm import (  # noqa: E402
-    Accel,
-    BalloonConfig,
     CaptureKind,
-    Drive,
     FirecrackerDriver,
-    MemoryMode,
-    NetIf,
     QemuDriver,
     SnapshotFiles,
-    SnapshotFormat,
     VmConfig,
     memfile,
 )
 from aenv_node.vmm.capture_buffer import CaptureBuffer  # noqa: E402
+from bench._floor import (  # noqa: E402
+    BenchNetns,
+    flat_disk,
+    floor_files,
+    run_cmd,
+    snapshot_files,
+    template_snapshot_id,
+    vm_config,
+)
 from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
-
-# A node slot's guest side (net.NetworkConfig defaults): identical in every slot, baked into the snapshot
-GUEST_MAC = "02:ae:00:00:00:21"
-TAP = "tap0"
-TAP_MAC = "02:ae:00:00:00:22"
-TAP_CIDR = "169.254.0.22/30"
 
 GUEST_PYTHON = "/opt/aenv/bin/python"  # the tools drive's Python (the base rootfs has no python3)
 MEM_WRITER = (
@@ -477,101 +471,6 @@ def sdk_phases(node: BenchNode, args: argparse.Namespace) -> dict[str, Any]:
 # ---- raw floors --------------------------------------------------------------------------------------------
 
 
-def snapshot_files(state_dir: Path, snapshot_id: str) -> dict[str, Any]:
-    """A snapshot as the node recorded it: vmstate, memory image, format, shape, disk layers."""
-    con = sqlite3.connect(f"file:{state_dir / 'aenv.db'}?mode=ro", uri=True, timeout=10)
-    try:
-        row = con.execute("SELECT config, vmstate_location FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
-        if row is None:
-            raise RuntimeError(f"snapshot {snapshot_id} not recorded in {state_dir}")
-        layers = con.execute(
-            "SELECT l.location, l.virtual_size_bytes FROM snapshot_layers sl JOIN layers l"
-            " ON l.digest = sl.layer_digest WHERE sl.snapshot_id = ? AND sl.kind = 'disk' ORDER BY sl.position",
-            (snapshot_id,)).fetchall()
-    finally:
-        con.close()
-    cfg = _json(row[0])
-    return {"id": snapshot_id, "shape": cfg["shape"], "format": cfg["format"], "memory": cfg["memory"],
-            "vmstate": row[1], "disk_layers": [loc for loc, _ in layers],
-            "disk_size": max(v or 0 for _, v in layers)}  # fmt: skip
-
-
-def template_snapshot_id(state_dir: Path, template: str = "base") -> str:
-    con = sqlite3.connect(f"file:{state_dir / 'aenv.db'}?mode=ro", uri=True, timeout=10)
-    try:
-        return con.execute("SELECT boot_snapshot_id FROM templates WHERE id = ? OR alias = ?",
-                           (template, template)).fetchone()[0]
-    finally:
-        con.close()
-
-
-def run_cmd(*argv: str) -> None:
-    p = subprocess.run(argv, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed: {p.stderr.strip()}")
-
-
-class BenchNetns:
-    """A network namespace with a tap `tap0` addressed like a node slot's. Created and removed here."""
-
-    def __init__(self, index: int) -> None:
-        self.name = f"aenvlc-{os.getpid()}-{index}"
-        self.path = Path("/run/netns") / self.name
-
-    def __enter__(self) -> "BenchNetns":
-        run_cmd("ip", "netns", "add", self.name)
-        try:
-            run_cmd("ip", "-n", self.name, "tuntap", "add", "dev", TAP, "mode", "tap")
-            run_cmd("ip", "-n", self.name, "link", "set", TAP, "address", TAP_MAC)
-            run_cmd("ip", "-n", self.name, "addr", "add", TAP_CIDR, "dev", TAP)
-            run_cmd("ip", "-n", self.name, "link", "set", TAP, "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-
-def flat_disk(snap: dict[str, Any], dest: Path) -> float:
-    t = time.perf_counter()
-    readers = [LayerReader.open(p) for p in snap["disk_layers"]]
-    try:
-        materialize(readers, dest, size=snap["disk_size"], fsync=False)
-    finally:
-        for r in readers:
-            r.close()
-    return time.perf_counter() - t
-
-
-def vm_config(snap: dict[str, Any], wd: Path, disk: Path, netns: Path) -> VmConfig:
-    shape = snap["shape"]
-    return VmConfig(
-        workdir=wd, kernel=Path(shape["kernel"]), vcpus=shape["vcpus"], mem_mib=shape["mem_mib"],
-        initrd=Path(shape["initrd"]), cmdline=shape["cmdline"],
-        drives=(Drive(str(disk)), Drive(shape["tools_img"], read_only=True)),
-        net=NetIf(tap=TAP, mac=GUEST_MAC), mem_mode=MemoryMode.PRIVATE,
-        api_socket=wd / "qmp.sock", console_log=wd / "console.log", netns=netns,
-        accel=Accel(shape["accel"]), name="aenv-bench-lifecycle",
-        # the same devices as the snapshot; with free page reporting each floor VM maps its own copy of the
-        # image (floor_files), which is what makes reporting safe without the node's seccomp guard
-        balloon=BalloonConfig(free_page_reporting=True) if shape.get("free_page_reporting") else None,
-        mem_exclusive=bool(shape.get("free_page_reporting")),
-    )  # fmt: skip
-
-
-def floor_files(snap: dict[str, Any], wd: Path) -> SnapshotFiles:
-    """The snapshot's files for one floor VM: its own copy of the memory image when the VM reports free
-    pages (untimed; a raw QEMU VM would punch holes in a shared one)."""
-    memory = Path(snap["memory"])
-    if snap["shape"].get("free_page_reporting"):
-        own = wd / "memory.img"
-        memfile.copy_image(memory, own)
-        memory = own
-    return SnapshotFiles(Path(snap["vmstate"]), memory, SnapshotFormat(snap["format"]))
-
-
 async def qemu_ops_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, ns: BenchNetns, runs: int,
                          settle_s: float, label: str) -> dict[str, Any]:
     """Restore -> running, stop/cont, diff capture (+ the memory-image materialization) of one snapshot."""
@@ -589,7 +488,7 @@ async def qemu_ops_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, n
         await trio.to_thread.run_sync(run_cmd, "cp", "--sparse=always", str(flat), str(disk))  # untimed
         files = await trio.to_thread.run_sync(floor_files, snap, wd)  # untimed
         await trio.to_thread.run_sync(os.sync)  # its writeback must not compete with the timed restore
-        config = vm_config(snap, wd, disk, ns.path)
+        config = vm_config(snap, wd, disk, ns.path, "aenv-bench-lifecycle")
         t0 = time.perf_counter()
         async with driver.restore(config, files) as vm:
             r["restore"].append(time.perf_counter() - t0)
@@ -642,7 +541,7 @@ async def qemu_fork_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, 
     """n concurrent restores of one snapshot (own namespace and disk copy each) -> all running."""
     flat = work / "fork.flat"
     await trio.to_thread.run_sync(flat_disk, snap, flat)
-    nss = [BenchNetns(100 + i) for i in range(n)]
+    nss = [BenchNetns(100 + i, "aenvlc") for i in range(n)]
     entered: list[BenchNetns] = []
     up: list[float] = []
     try:
@@ -656,7 +555,7 @@ async def qemu_fork_floor(driver: QemuDriver, snap: dict[str, Any], work: Path, 
             await trio.to_thread.run_sync(run_cmd, "cp", "--sparse=always", str(flat), str(wd / "disk.raw"))
             files = await trio.to_thread.run_sync(floor_files, snap, wd)
             await trio.to_thread.run_sync(os.sync)
-            configs.append((vm_config(snap, wd, wd / "disk.raw", ns.path), files))
+            configs.append((vm_config(snap, wd, wd / "disk.raw", ns.path, "aenv-bench-lifecycle"), files))
         all_up = trio.Event()
         t0 = time.perf_counter()
 
@@ -682,7 +581,7 @@ async def floors(boot: dict[str, Any], heavy: dict[str, Any] | None, work: Path,
                  ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     driver = QemuDriver(tcg_tb_size_mib=args.tcg_tb_size_mb, restore_tb_size_mib=args.tcg_tb_size_restore_mb)
-    with BenchNetns(0) as ns:
+    with BenchNetns(0, "aenvlc") as ns:
         out["qemu_tcg_idle"] = await qemu_ops_floor(driver, boot, work, ns, args.floor_runs, args.settle, "idle")
         if heavy is not None:
             out["qemu_tcg_heavy"] = await qemu_ops_floor(driver, heavy, work, ns, args.heavy_runs,

@@ -35,9 +35,7 @@ import json
 import os
 import shutil
 import socket
-import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,19 +48,19 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aenv_node.storage import LayerReader, materialize  # noqa: E402
 from aenv_node.vmm import (  # noqa: E402
-    Accel,
-    BalloonConfig,
-    Drive,
     FirecrackerDriver,
-    MemoryMode,
-    NetIf,
     QemuDriver,
-    SnapshotFiles,
-    SnapshotFormat,
-    VmConfig,
-    memfile,
+)
+from bench._floor import (  # noqa: E402
+    GUEST_IP,
+    BenchNetns,
+    flat_disk,
+    floor_files,
+    run_cmd,
+    snapshot_files,
+    template_snapshot_id,
+    vm_config,
 )
 from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
@@ -70,12 +68,6 @@ from bench.vmm_floor import MEM_MIB as TINY_MEM_MIB  # noqa: E402
 from bench.vmm_floor import cfg as tiny_cfg  # noqa: E402
 from tests.vmm.tinyguest import build_tiny_guest, last_tick, wait_for_tick  # noqa: E402
 
-# A node slot's guest side (net.NetworkConfig defaults), identical in every slot and baked into the snapshot
-GUEST_MAC = "02:ae:00:00:00:21"
-GUEST_IP = "169.254.0.21"
-TAP = "tap0"
-TAP_MAC = "02:ae:00:00:00:22"
-TAP_CIDR = "169.254.0.22/30"
 ENVD_PORT = 49983
 CLONE_NEWNET = 0x40000000
 
@@ -227,62 +219,6 @@ def throughput_phase(
 # ---- raw floors --------------------------------------------------------------------------------------------
 
 
-def base_snapshot(state_dir: Path, template: str = "base") -> dict[str, Any]:
-    """The template's boot snapshot as the node recorded it: files, shape, format, disk layers."""
-    con = sqlite3.connect(f"file:{state_dir / 'aenv.db'}?mode=ro", uri=True, timeout=10)
-    try:
-        row = con.execute(
-            "SELECT s.id, s.config, s.vmstate_location FROM templates t JOIN snapshots s ON s.id = t.boot_snapshot_id"
-            " WHERE t.id = ? OR t.alias = ?",
-            (template, template),
-        ).fetchone()
-        if row is None:
-            raise RuntimeError(f"no boot snapshot recorded for template {template!r} in {state_dir}")
-        sid, config, vmstate = row
-        layers = con.execute(
-            "SELECT l.location, l.virtual_size_bytes FROM snapshot_layers sl JOIN layers l"
-            " ON l.digest = sl.layer_digest WHERE sl.snapshot_id = ? AND sl.kind = 'disk' ORDER BY sl.position",
-            (sid,),
-        ).fetchall()
-    finally:
-        con.close()
-    cfg = json.loads(config) if isinstance(config, str) else config
-    return {
-        "id": sid, "shape": cfg["shape"], "format": cfg["format"], "memory": cfg["memory"], "vmstate": vmstate,
-        "disk_layers": [loc for loc, _ in layers], "disk_size": max(v for _, v in layers),
-    }  # fmt: skip
-
-
-def run_cmd(*argv: str) -> None:
-    p = subprocess.run(argv, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed: {p.stderr.strip()}")
-
-
-class BenchNetns:
-    """A network namespace with a persistent tap `tap0` addressed like a node slot's guest side (no veth:
-    only a thread of this bench, moved into the namespace, talks to the guest). Created and removed here."""
-
-    def __init__(self) -> None:
-        self.name = f"aenvbench-{os.getpid()}"
-        self.path = Path("/run/netns") / self.name
-
-    def __enter__(self) -> "BenchNetns":
-        run_cmd("ip", "netns", "add", self.name)
-        try:
-            run_cmd("ip", "-n", self.name, "tuntap", "add", "dev", TAP, "mode", "tap")
-            run_cmd("ip", "-n", self.name, "link", "set", TAP, "address", TAP_MAC)
-            run_cmd("ip", "-n", self.name, "addr", "add", TAP_CIDR, "dev", TAP)
-            run_cmd("ip", "-n", self.name, "link", "set", TAP, "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-
 def _probe_envd_in_netns(netns: Path, deadline: float, out: list[float]) -> None:
     """In this (dedicated) thread: enter `netns`, poll envd's /health in the guest until it answers 2xx;
     append the perf_counter time of the answer to `out`. setns moves only the calling thread."""
@@ -309,18 +245,9 @@ async def qemu_restore_floor(
     snap: dict[str, Any], work: Path, runs: int, tcg_tb_size_mib: int
 ) -> dict[str, Any]:
     """Restore the template's boot snapshot with the QEMU driver, disks as files; process start -> running."""
-    shape = snap["shape"]
     flat = work / "disk.flat"
-    t = time.perf_counter()
-    readers = [LayerReader.open(p) for p in snap["disk_layers"]]
-    try:
-        await trio.to_thread.run_sync(lambda: materialize(readers, flat, size=snap["disk_size"], fsync=False))
-    finally:
-        for r in readers:
-            r.close()
-    materialize_s = time.perf_counter() - t
+    materialize_s = await trio.to_thread.run_sync(flat_disk, snap, flat)
     driver = QemuDriver(tcg_tb_size_mib=tcg_tb_size_mib)
-    files = SnapshotFiles(Path(snap["vmstate"]), Path(snap["memory"]), SnapshotFormat(snap["format"]))
     restore, alive_after, envd_ready = [], [], []
     with BenchNetns() as ns:
         for i in range(runs):
@@ -328,21 +255,8 @@ async def qemu_restore_floor(
             wd.mkdir()
             disk = wd / "disk.raw"
             run_cmd("cp", "--sparse=always", str(flat), str(disk))  # this restore's writable disk (untimed)
-            config = VmConfig(
-                workdir=wd, kernel=Path(shape["kernel"]), vcpus=shape["vcpus"], mem_mib=shape["mem_mib"],
-                initrd=Path(shape["initrd"]), cmdline=shape["cmdline"],
-                drives=(Drive(str(disk)), Drive(shape["tools_img"], read_only=True)),
-                net=NetIf(tap=TAP, mac=GUEST_MAC), mem_mode=MemoryMode.PRIVATE,
-                api_socket=wd / "qmp.sock", console_log=wd / "console.log", netns=ns.path,
-                accel=Accel(shape["accel"]), name="aenv-bench-floor",
-                # the snapshot's devices; a reporting balloon needs the VM's own image copy (below)
-                balloon=BalloonConfig(free_page_reporting=True) if shape.get("free_page_reporting") else None,
-                mem_exclusive=bool(shape.get("free_page_reporting")),
-            )  # fmt: skip
-            if shape.get("free_page_reporting"):  # untimed: raw QEMU would punch holes in a shared image
-                own = wd / "memory.img"
-                memfile.copy_image(Path(snap["memory"]), own)
-                files = SnapshotFiles(files.vmstate, own, files.format)
+            config = vm_config(snap, wd, disk, ns.path, "aenv-bench-floor")
+            files = floor_files(snap, wd)  # untimed
             t0 = time.perf_counter()
             async with driver.restore(config, files) as vm:
                 restore.append(time.perf_counter() - t0)
@@ -367,7 +281,7 @@ async def qemu_restore_floor(
         "envd_health_runs_ms": [ms(x) for x in envd_ready],
         "disk_materialize_ms": ms(materialize_s),
         "snapshot_id": snap["id"],
-        "shape": shape,
+        "shape": snap["shape"],
         "tcg_tb_size_mib": tcg_tb_size_mib,
         "memory_image_bytes": os.path.getsize(snap["memory"]),
         "vmstate_bytes": os.path.getsize(snap["vmstate"]),
@@ -476,7 +390,7 @@ def main() -> None:
                 ln[:400] for ln in node.log_path.read_text(errors="replace").splitlines()
                 if " WARNING " in ln or " ERROR " in ln
             ][:30]
-            snap = base_snapshot(node.state_dir)
+            snap = snapshot_files(node.state_dir, template_snapshot_id(node.state_dir))
             for hook in stop_hooks:  # the node is idle from here on: stop it, keep its snapshot files
                 hook()
             results["loadavg_before_floors"] = [round(x, 2) for x in os.getloadavg()]
