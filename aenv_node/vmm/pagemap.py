@@ -86,27 +86,6 @@ def dirty_ranges(pid: int, image: Path) -> tuple[MemoryRange, ...]:
     return pages_to_ranges(dirty_page_indices(pid, find_mappings(pid, image)))
 
 
-def copy_out(pid: int, mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...], dst_fd: int) -> None:
-    """Write guest memory `ranges` (image offsets) from the process's memory into `dst_fd` at the same offsets."""
-    mem_fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-    try:
-        for r in ranges:
-            done = 0
-            while done < r.length:
-                off = r.offset + done
-                m = next((m for m in mappings if m.file_offset <= off < m.file_offset + (m.end - m.start)), None)
-                if m is None:
-                    raise SnapshotError(f"offset {off:#x} is outside the process's mappings of the image")
-                n = min(_COPY_CHUNK, r.length - done, m.file_offset + (m.end - m.start) - off)
-                data = os.pread(mem_fd, n, m.start + (off - m.file_offset))
-                if len(data) != n:
-                    raise SnapshotError(f"short read of guest memory at {off:#x}: {len(data)} of {n} bytes")
-                os.pwrite(dst_fd, data, off)
-                done += n
-    finally:
-        os.close(mem_fd)
-
-
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
@@ -118,8 +97,9 @@ _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.
 _IOV_MAX = 1024
 
 
-def _remote_pieces(mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...]) -> list[tuple[int, int]]:
-    """(address in the process, length) for every range, split where the image's mappings split."""
+def _pieces(mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...]) -> list[tuple[int, int, int]]:
+    """(image offset, address in the process, length) for every range, split where the image's mappings
+    split."""
     out = []
     for r in ranges:
         off = r.offset
@@ -128,9 +108,24 @@ def _remote_pieces(mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...
             if m is None:
                 raise SnapshotError(f"offset {off:#x} is outside the process's mappings of the image")
             n = min(r.end - off, m.file_offset + (m.end - m.start) - off)
-            out.append((m.start + (off - m.file_offset), n))
+            out.append((off, m.start + (off - m.file_offset), n))
             off += n
     return out
+
+
+def copy_out(pid: int, mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...], dst_fd: int) -> None:
+    """Write guest memory `ranges` (image offsets) from the process's memory into `dst_fd` at the same offsets."""
+    mem_fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        for off, addr, length in _pieces(mappings, ranges):
+            for done in range(0, length, _COPY_CHUNK):
+                n = min(_COPY_CHUNK, length - done)
+                data = os.pread(mem_fd, n, addr + done)
+                if len(data) != n:
+                    raise SnapshotError(f"short read of guest memory at {off + done:#x}: {len(data)} of {n} bytes")
+                os.pwrite(dst_fd, data, off + done)
+    finally:
+        os.close(mem_fd)
 
 
 def copy_to_buffer(pid: int, mappings: tuple[Mapping, ...], ranges: tuple[MemoryRange, ...],
@@ -138,7 +133,7 @@ def copy_to_buffer(pid: int, mappings: tuple[Mapping, ...], ranges: tuple[Memory
     """Copy guest memory `ranges` (image offsets), packed back to back in range order, into `size` bytes at
     `address` in this process; returns the bytes copied. (Two threads copying halves measured no faster:
     the copy is bound by memory bandwidth, ~6 GB/s here.)"""
-    pieces = _remote_pieces(mappings, ranges)
+    pieces = [(addr, n) for _, addr, n in _pieces(mappings, ranges)]
     total = sum(n for _, n in pieces)
     if total > size:
         raise SnapshotError(f"{total} dirty bytes do not fit a {size}-byte capture buffer")
