@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import trio
 
 from .errors import StorageError
+from .fileops import fsync_dir
 from .repository.base import Repository, check_digest, digest_of_file
 from .repository.errors import DigestMismatch
 
@@ -502,7 +503,7 @@ class LayerCache:
                 os.fsync(f.fileno())
         os.rename(tmp, layer.bitmap_path)
         if self.durable:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         layer.bitmap_fd = os.open(layer.bitmap_path, os.O_RDWR | os.O_CLOEXEC)
 
     def _load(self) -> None:
@@ -912,10 +913,4 @@ def _runs(chunks: list[int], max_len: int) -> list[list[int]]:
     return runs
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 

@@ -50,7 +50,7 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

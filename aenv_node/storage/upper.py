@@ -40,6 +40,7 @@ import numpy as np
 
 from . import layer_format as F
 from .errors import UpperCorrupt, UpperFull
+from .fileops import fsync_dir
 
 __all__ = ["Upper", "ABSENT", "ZEROED"]
 
@@ -229,11 +230,7 @@ class Upper:
 
     def _sync_dir(self) -> None:
         if self._fsync:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(self.path)
 
     def _open(self, gen: int) -> None:
         data_path, log_path = self._paths(gen)

@@ -44,6 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ..fileops import fsync_dir
 from .base import (
     READ_CHUNK,
     ObjectInfo,
@@ -71,12 +72,6 @@ _LOCK_STRIPES = 256
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PosixFsRepository(Repository):
@@ -107,7 +102,7 @@ class PosixFsRepository(Repository):
     def _publish(self, tmp: Path, final: Path) -> None:
         os.rename(tmp, final)
         if self.durable:
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
 
     def _write_atomic(self, final: Path, chunks, stem: str, check=None) -> None:  # type: ignore[no-untyped-def]
         """Write ``chunks`` to ``final`` atomically; ``check()`` runs after the data is written, before publish."""
@@ -115,7 +110,7 @@ class PosixFsRepository(Repository):
         if not directory.is_dir():
             directory.mkdir(parents=True, exist_ok=True)
             if self.durable:
-                _fsync_dir(directory.parent)
+                fsync_dir(directory.parent)
         tmp = self._tmp_name(directory, stem)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -186,7 +181,7 @@ class PosixFsRepository(Repository):
         if not directory.is_dir():
             directory.mkdir(parents=True, exist_ok=True)
             if self.durable:
-                _fsync_dir(directory.parent)
+                fsync_dir(directory.parent)
         tmp = self._tmp_name(directory, hexd[:16])
         try:
             os.link(path, tmp)
@@ -318,14 +313,16 @@ class PosixFsRepository(Repository):
     def has_layer(self, digest: str) -> bool:
         return self._layer_path(digest).is_file()
 
-    def delete_layer(self, digest: str) -> None:
-        p = self._layer_path(digest)
+    def _unlink(self, p: Path) -> None:
         try:
             p.unlink()
         except FileNotFoundError:
             return
         if self.durable:
-            _fsync_dir(p.parent)
+            fsync_dir(p.parent)
+
+    def delete_layer(self, digest: str) -> None:
+        self._unlink(self._layer_path(digest))
 
     def list_layers(self) -> list[str]:
         out = []
@@ -361,13 +358,7 @@ class PosixFsRepository(Repository):
         return sorted(f.name[: -len(".json")] for f in d.iterdir() if f.name.endswith(".json") and not f.name.startswith("."))
 
     def delete_manifest(self, manifest_id: str) -> None:
-        p = self.root / manifest_key(manifest_id)
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            return
-        if self.durable:
-            _fsync_dir(p.parent)
+        self._unlink(self.root / manifest_key(manifest_id))
 
     # -- compare-and-swap of ownership records -------------------------------------------------------------
     @contextlib.contextmanager
