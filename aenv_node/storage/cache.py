@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import trio
 
 from .errors import StorageError
-from .fileops import fsync_dir
+from .fileops import fsync_dir, pwrite_all
 from .repository.base import Repository, check_digest, digest_of_file
 from .repository.errors import DigestMismatch
 
@@ -140,14 +140,6 @@ def _check_punch_hole(directory: Path) -> None:
     finally:
         os.close(fd)
         probe.unlink()
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
 
 
 def _pread_all(fd: int, length: int, offset: int) -> bytes:
@@ -719,7 +711,7 @@ class LayerCache:
                     layer.fetches += 1
                     layer.fetched_bytes += n
                 try:
-                    _pwrite_all(layer.data_fd, data, off)
+                    pwrite_all(layer.data_fd, data, off)
                 except OSError as e:  # e.g. the cache disk is full: serve the bytes, do not cache them
                     log.warning("cache: cannot write %s [%d, %d): %s", layer.digest, off, off + n, e)
                     with self._lock:
@@ -791,7 +783,7 @@ class LayerCache:
                 with layer.bitmap_lock:
                     with self._lock:
                         image = bytes(layer.disk_bits)
-                    _pwrite_all(layer.bitmap_fd, image, _HEADER_SIZE)
+                    pwrite_all(layer.bitmap_fd, image, _HEADER_SIZE)
                     if self.durable:
                         os.fdatasync(layer.bitmap_fd)
                 for run in _runs(chunks, 1 << 30):
@@ -818,7 +810,7 @@ class LayerCache:
                         if layer.state[c] == _PRESENT and layer.gen[c] == g:
                             layer.disk_bits[c >> 3] |= 1 << (c & 7)
                 image = bytes(layer.disk_bits)
-            _pwrite_all(layer.bitmap_fd, image, _HEADER_SIZE)
+            pwrite_all(layer.bitmap_fd, image, _HEADER_SIZE)
 
     def _flush(self, blocking: bool) -> None:
         if not self._flush_lock.acquire(blocking=blocking):

@@ -1,4 +1,5 @@
-"""Small file-level primitives the storage code shares: in-kernel range copies, hole punching, directory fsync.
+"""Small file-level primitives the storage code shares: in-kernel range copies, hole punching, directory fsync,
+positioned writes that do not stop short.
 
 Why hand-written: ``shutil`` copies whole files through user space; these keep bytes in the kernel
 (``copy_file_range``, falling back to ``sendfile`` across filesystems where the kernel refuses the former).
@@ -10,7 +11,7 @@ import ctypes
 import errno
 import os
 
-__all__ = ["copy_range", "punch_hole", "fsync_dir"]
+__all__ = ["copy_range", "punch_hole", "fsync_dir", "pwrite_all"]
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -55,3 +56,12 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset`` (a single call may write less)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import layer_format as F
 from .errors import LayerCorrupt, LayerFormatError
-from .fileops import fsync_dir
+from .fileops import fsync_dir, pwrite_all
 from .source import FileSource, RandomAccessSource
 
 __all__ = ["Extent", "LayerInfo", "LayerWriter", "LayerReader", "write_layer_tail", "LAYER_SUFFIX"]
@@ -93,17 +93,9 @@ def write_layer_tail(fd: int, hasher: "hashlib._Hash", geometry: F.Geometry, ext
         index_crc=F.crc32(index),
     )
     tail = index + bytes(padded - len(index)) + F.pack_trailer(g)
-    _pwrite_all(fd, tail, index_offset)
+    pwrite_all(fd, tail, index_offset)
     hasher.update(tail)
     return g
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
 
 
 def publish_layer(tmp_path: str, dest_dir: str, digest: str) -> str:
