@@ -3,21 +3,31 @@ repository functions that change it (each change with its event row)."""
 
 from .db import Database
 from .errors import IllegalTransition, NotFound, StateError
+from .ids import new_id
 from .models import (
     Base,
+    BuildStatus,
     CacheEntry,
     Event,
+    EventSubject,
     Layer,
+    LayerKind,
     NetworkSlot,
     Node,
+    NodeState,
     Sandbox,
     SandboxState,
+    SlotState,
     Snapshot,
+    SnapshotKind,
     SnapshotLayer,
+    SnapshotStatus,
     Template,
     TemplateBuild,
+    TemplateKind,
     utcnow,
 )
+from .records import MachineShape, SnapshotConfig
 
 __all__ = [
     "Database",
@@ -37,4 +47,15 @@ __all__ = [
     "Template",
     "TemplateBuild",
     "utcnow",
+    "new_id",
+    "BuildStatus",
+    "EventSubject",
+    "LayerKind",
+    "NodeState",
+    "SlotState",
+    "SnapshotKind",
+    "SnapshotStatus",
+    "TemplateKind",
+    "MachineShape",
+    "SnapshotConfig",
 ]

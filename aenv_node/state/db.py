@@ -14,15 +14,17 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Concatenate, Iterator, ParamSpec, TypeVar
 
 import trio
+from alembic import command
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.orm import Session, sessionmaker
 
 __all__ = ["Database", "migrations_dir", "alembic_config"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def migrations_dir() -> Path:
@@ -68,20 +70,31 @@ class Database:
 
     # -- migrations -------------------------------------------------------
     def upgrade(self, revision: str = "head") -> None:
-        from alembic import command
-
-        with self.engine.begin() as conn:
-            cfg = alembic_config(self.url)
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
+        self._migrate(command.upgrade, revision)
 
     def downgrade(self, revision: str = "base") -> None:
-        from alembic import command
+        self._migrate(command.downgrade, revision)
 
-        with self.engine.begin() as conn:
-            cfg = alembic_config(self.url)
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, revision)
+    def _migrate(self, step: Callable[[Any, str], None], revision: str) -> None:
+        """Run an Alembic step with foreign keys off: SQLite alters a table by copying it into a new one and
+        dropping the old, and with foreign keys on that drop would cascade into every referencing row
+        (``snapshot_layers`` rows deleted, ``sandboxes.snapshot_id`` set NULL). The pragma only takes effect
+        outside a transaction, so it is set before the migration's transaction begins, and the references
+        are checked before foreign keys are turned back on."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            conn.commit()  # SQLAlchemy began its transaction object; SQLite ran the pragma outside one
+            try:
+                with conn.begin():
+                    cfg = alembic_config(self.url)
+                    cfg.attributes["connection"] = conn
+                    step(cfg, revision)
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise RuntimeError(f"migration to {revision} left rows with broken references: {broken[:5]}")
+            finally:
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                conn.commit()
 
     def current_revision(self) -> str | None:
         from alembic.runtime.migration import MigrationContext
@@ -99,12 +112,12 @@ class Database:
         with self._sessions() as s, s.begin():
             yield s
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(session, *args)`` in one transaction, in a worker thread."""
+    async def run(self, fn: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``fn(session, *args, **kwargs)`` in one transaction, in a worker thread."""
 
         def work() -> T:
             with self.session() as s:
-                return fn(s, *args)
+                return fn(s, *args, **kwargs)
 
         return await trio.to_thread.run_sync(work, limiter=self._limiter)
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from sqlalchemy import (
     JSON,
     Boolean,
+    Enum,
     Float,
     ForeignKey,
     Index,
@@ -34,11 +35,21 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from .records import RecordType, SnapshotConfig
+
 __all__ = [
     "Base",
     "UtcTimestamp",
     "utcnow",
     "SandboxState",
+    "SnapshotKind",
+    "SnapshotStatus",
+    "TemplateKind",
+    "BuildStatus",
+    "LayerKind",
+    "SlotState",
+    "NodeState",
+    "EventSubject",
     "TERMINAL_STATES",
     "Node",
     "Template",
@@ -77,7 +88,7 @@ class UtcTimestamp(TypeDecorator[dt.datetime]):
         return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-class SandboxState(str, enum.Enum):
+class SandboxState(enum.StrEnum):
     """Lifecycle states (DESIGN.md "Sandbox lifecycle")."""
 
     CREATING = "creating"
@@ -90,6 +101,68 @@ class SandboxState(str, enum.Enum):
     KILLING = "killing"
     KILLED = "killed"
     ERROR = "error"
+
+
+class SnapshotKind(enum.StrEnum):
+    """Why a snapshot was taken."""
+
+    BOOT = "boot"  # a template's build
+    PAUSE = "pause"
+    USER = "user"  # POST /sandboxes/{id}/snapshots: also a template
+    FORK = "fork"
+    PERIODIC = "periodic"
+
+
+class SnapshotStatus(enum.StrEnum):
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    DELETED = "deleted"  # a user snapshot deleted, or a periodic one superseded: files go at the next collection
+    COLLECTED = "collected"  # its files are gone; the row stays (lineage is history)
+
+
+class TemplateKind(enum.StrEnum):
+    TEMPLATE = "template"  # built from a root filesystem
+    SNAPSHOT = "snapshot"  # a user snapshot of a running sandbox
+
+
+class BuildStatus(enum.StrEnum):
+    """Status of a template and of one of its builds."""
+
+    BUILDING = "building"
+    READY = "ready"
+    ERROR = "error"
+
+
+class LayerKind(enum.StrEnum):
+    DISK = "disk"
+    MEMORY = "memory"
+
+
+class SlotState(enum.StrEnum):
+    WARM = "warm"
+    IN_USE = "in_use"
+
+
+class NodeState(enum.StrEnum):
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class EventSubject(enum.StrEnum):
+    SANDBOX = "sandbox"
+    TEMPLATE = "template"
+    NODE = "node"
+    SNAPSHOT = "snapshot"
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def enum_column(enum_type: type[E], length: int) -> "Enum":
+    """A string column holding the enum's values (not its member names), without a CHECK constraint:
+    values stay readable in ``sqlite3`` and a new member needs no table rebuild."""
+    return Enum(enum_type, native_enum=False, create_constraint=False, length=length, validate_strings=True,
+                values_callable=lambda members: [m.value for m in members])
 
 
 TERMINAL_STATES = frozenset({SandboxState.KILLED})
@@ -118,9 +191,8 @@ class Node(Base):
     hostname: Mapped[str] = mapped_column(String(255))
     listen: Mapped[str] = mapped_column(String(255))
     version: Mapped[str] = mapped_column(String(32))
-    state: Mapped[str] = mapped_column(String(16), default="running")  # running | stopped
+    state: Mapped[NodeState] = mapped_column(enum_column(NodeState, 16), default=NodeState.RUNNING)
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
-    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     stopped_at: Mapped[Optional[dt.datetime]]
 
 
@@ -131,8 +203,8 @@ class Template(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     alias: Mapped[Optional[str]] = mapped_column(String(128), unique=True)
-    kind: Mapped[str] = mapped_column(String(16), default="template")  # template | snapshot
-    status: Mapped[str] = mapped_column(String(16), default="building")  # building | ready | error
+    kind: Mapped[TemplateKind] = mapped_column(enum_column(TemplateKind, 16), default=TemplateKind.TEMPLATE)
+    status: Mapped[BuildStatus] = mapped_column(enum_column(BuildStatus, 16), default=BuildStatus.BUILDING)
     cpu_count: Mapped[int] = mapped_column(Integer, default=2)
     memory_mb: Mapped[int] = mapped_column(Integer, default=512)
     disk_size_mb: Mapped[int] = mapped_column(Integer, default=2048)
@@ -149,7 +221,7 @@ class TemplateBuild(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     template_id: Mapped[str] = mapped_column(ForeignKey("templates.id", ondelete="CASCADE"), index=True)
-    status: Mapped[str] = mapped_column(String(16), default="building")  # building | ready | error
+    status: Mapped[BuildStatus] = mapped_column(enum_column(BuildStatus, 16), default=BuildStatus.BUILDING)
     source: Mapped[str] = mapped_column(Text, default="")  # rootfs path, OCI ref, directory
     kit_hash: Mapped[str] = mapped_column(String(64), default="")
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -165,7 +237,8 @@ class Sandbox(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     template_id: Mapped[str] = mapped_column(String(64), index=True)
     node_id: Mapped[str] = mapped_column(String(64), default="")
-    state: Mapped[str] = mapped_column(String(16), index=True, default=SandboxState.CREATING.value)
+    state: Mapped[SandboxState] = mapped_column(enum_column(SandboxState, 16), index=True,
+                                                default=SandboxState.CREATING)
     client_id: Mapped[str] = mapped_column(String(64), default="")
     alias: Mapped[Optional[str]] = mapped_column(String(128))
     cpu_count: Mapped[int] = mapped_column(Integer, default=2)
@@ -178,7 +251,6 @@ class Sandbox(Base):
     env_vars: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     auto_pause: Mapped[bool] = mapped_column(Boolean, default=True)
     auto_resume: Mapped[bool] = mapped_column(Boolean, default=False)
-    secure: Mapped[bool] = mapped_column(Boolean, default=False)
     allow_internet_access: Mapped[bool] = mapped_column(Boolean, default=True)
     network_policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     # The snapshot this sandbox's current run was restored from (its head when paused).
@@ -199,13 +271,19 @@ class Sandbox(Base):
 
 
 class Snapshot(Base):
-    """A committed point of a sandbox's life: the snapshot DAG (parent, source sandbox)."""
+    """A committed point of a sandbox's life: the snapshot DAG (parent, source sandbox).
+
+    What SQL needs is in columns (the memory image locations and the template RAM layer the garbage
+    collector follows, the publish state); the rest of what a restore needs is the typed ``config``
+    (``records.SnapshotConfig``). The memory chain itself is ``snapshot_layers`` (kind ``memory``).
+    """
 
     __tablename__ = "snapshots"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16))  # boot | pause | user | fork | periodic
-    status: Mapped[str] = mapped_column(String(16), default="committing")  # committing | committed | deleted | collected
+    kind: Mapped[SnapshotKind] = mapped_column(enum_column(SnapshotKind, 16))
+    status: Mapped[SnapshotStatus] = mapped_column(enum_column(SnapshotStatus, 16),
+                                                   default=SnapshotStatus.COMMITTING)
     name: Mapped[Optional[str]] = mapped_column(String(128))
     parent_id: Mapped[Optional[str]] = mapped_column(
         ForeignKey("snapshots.id", ondelete="SET NULL"), index=True
@@ -214,7 +292,24 @@ class Snapshot(Base):
     template_id: Mapped[Optional[str]] = mapped_column(String(64))
     vmm: Mapped[str] = mapped_column(String(16), default="")
     vmstate_location: Mapped[Optional[str]] = mapped_column(Text)
-    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: how the vmstate file replays (the VMM driver's ``SnapshotFormat`` value)
+    vmstate_format: Mapped[str] = mapped_column(String(32), default="")
+    #: the flat memory image every restore of this snapshot maps copy-on-write
+    memory_location: Mapped[Optional[str]] = mapped_column(Text)
+    #: the flat image at the bottom of the memory chain (a template's RAM file); NULL when the chain's
+    #: layers stand alone (a boot snapshot's own memory, an imported chain)
+    memory_base_location: Mapped[Optional[str]] = mapped_column(Text)
+    #: boot snapshots: their RAM image imported as a layer (published as the bottom of memory chains)
+    memory_base_layer: Mapped[Optional[str]] = mapped_column(String(71))
+    #: imported: ``memory_location`` is materialized from the memory layers on first use
+    memory_from_layers: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: committed to the shared repository (the sandbox's record points at it)
+    published: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: imported: the parent's id on the node that published it (not a row here)
+    imported_parent_id: Mapped[Optional[str]] = mapped_column(String(64))
+    #: bytes of guest memory the capture copied (dirtied since the restore)
+    dirty_bytes: Mapped[Optional[int]] = mapped_column(Integer)
+    config: Mapped[Optional[SnapshotConfig]] = mapped_column(RecordType(SnapshotConfig))
     memory_mb: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     committed_at: Mapped[Optional[dt.datetime]]
@@ -225,15 +320,18 @@ class Snapshot(Base):
 
 
 class Layer(Base):
-    """An immutable, content-addressed layer file in the repository."""
+    """An immutable, content-addressed layer: a local file, or only in the shared repository."""
 
     __tablename__ = "layers"
 
     digest: Mapped[str] = mapped_column(String(71), primary_key=True)  # "sha256:<hex>"
-    kind: Mapped[str] = mapped_column(String(8))  # disk | memory
+    kind: Mapped[LayerKind] = mapped_column(enum_column(LayerKind, 8))
     size_bytes: Mapped[int] = mapped_column(Integer)
     virtual_size_bytes: Mapped[int] = mapped_column(Integer, default=0)
-    location: Mapped[str] = mapped_column(Text)  # repository key
+    #: the local file; NULL: only in the repository (read on demand through the layer cache)
+    local_path: Mapped[Optional[str]] = mapped_column(Text)
+    #: the key the shared repository holds it under, once it is there (stored, published or imported)
+    repository_key: Mapped[Optional[str]] = mapped_column(Text)
     refcount: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
@@ -246,7 +344,7 @@ class SnapshotLayer(Base):
     snapshot_id: Mapped[str] = mapped_column(
         ForeignKey("snapshots.id", ondelete="CASCADE"), primary_key=True
     )
-    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # disk | memory
+    kind: Mapped[LayerKind] = mapped_column(enum_column(LayerKind, 8), primary_key=True)
     position: Mapped[int] = mapped_column(Integer, primary_key=True)
     layer_digest: Mapped[str] = mapped_column(ForeignKey("layers.digest"), index=True)
 
@@ -275,7 +373,7 @@ class NetworkSlot(Base):
     netns: Mapped[str] = mapped_column(String(64))
     host_ip: Mapped[str] = mapped_column(String(45))
     slot_ip: Mapped[str] = mapped_column(String(45))
-    state: Mapped[str] = mapped_column(String(16), default="warm")  # warm | in_use
+    state: Mapped[SlotState] = mapped_column(enum_column(SlotState, 16), default=SlotState.WARM)
     sandbox_id: Mapped[Optional[str]] = mapped_column(String(64), index=True)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -289,7 +387,7 @@ class Event(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     ts: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
     sandbox_id: Mapped[Optional[str]] = mapped_column(String(64))
-    subject: Mapped[str] = mapped_column(String(16), default="sandbox")  # sandbox | template | node | snapshot
+    subject: Mapped[EventSubject] = mapped_column(enum_column(EventSubject, 16), default=EventSubject.SANDBOX)
     subject_id: Mapped[Optional[str]] = mapped_column(String(64))
     operation: Mapped[str] = mapped_column(String(32), index=True)
     from_state: Mapped[Optional[str]] = mapped_column(String(16))

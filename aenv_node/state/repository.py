@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .errors import IllegalTransition, NotFound
-from .models import Event, NetworkSlot, Sandbox, SandboxState, utcnow
+from .models import Event, EventSubject, NetworkSlot, Sandbox, SandboxState, SlotState, utcnow
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
@@ -25,6 +25,7 @@ __all__ = [
     "record_event",
     "update_sandbox",
     "live_sandboxes",
+    "set_end",
 ]
 
 S = SandboxState
@@ -49,7 +50,7 @@ def record_event(
     operation: str,
     *,
     sandbox_id: Optional[str] = None,
-    subject: str = "sandbox",
+    subject: EventSubject = EventSubject.SANDBOX,
     subject_id: Optional[str] = None,
     from_state: Optional[str] = None,
     to_state: Optional[str] = None,
@@ -76,7 +77,7 @@ def record_event(
 def insert_sandbox(session: Session, sandbox: Sandbox, *, operation: str = "create") -> Sandbox:
     """Insert a new sandbox row (state ``creating`` unless set) with its event."""
     if sandbox.state is None:
-        sandbox.state = S.CREATING.value
+        sandbox.state = S.CREATING
     session.add(sandbox)
     record_event(session, operation, sandbox_id=sandbox.id, from_state=None, to_state=sandbox.state)
     return sandbox
@@ -84,7 +85,7 @@ def insert_sandbox(session: Session, sandbox: Sandbox, *, operation: str = "crea
 
 def get_sandbox(session: Session, sandbox_id: str, *, include_killed: bool = False) -> Sandbox:
     sb = session.get(Sandbox, sandbox_id)
-    if sb is None or (not include_killed and sb.state == S.KILLED.value):
+    if sb is None or (not include_killed and sb.state == S.KILLED):
         raise NotFound(f"sandbox {sandbox_id} not found")
     return sb
 
@@ -115,7 +116,7 @@ def transition(
     if to_state != current and to_state not in ALLOWED_TRANSITIONS[current]:
         raise IllegalTransition(sandbox_id, current, to_state, operation)
     now = utcnow()
-    sb.state = to_state.value
+    sb.state = to_state
     sb.updated_at = now
     if to_state == S.PAUSED:
         sb.paused_at = now
@@ -164,21 +165,28 @@ def claim_slot(session: Session, slot_index: int, sandbox_id: str) -> None:
     """Record that a sandbox holds a network slot (in the sandbox's transaction)."""
     row = session.get(NetworkSlot, slot_index)
     if row is not None:
-        row.state = "in_use"
+        row.state = SlotState.IN_USE
         row.sandbox_id = sandbox_id
         row.updated_at = utcnow()
 
 
 def release_slot_of(session: Session, sandbox_id: str) -> None:
     for row in session.scalars(select(NetworkSlot).where(NetworkSlot.sandbox_id == sandbox_id)):
-        row.state = "warm"
+        row.state = SlotState.WARM
         row.sandbox_id = None
         row.updated_at = utcnow()
 
 
 def live_sandboxes(session: Session) -> list[Sandbox]:
-    return list(session.scalars(select(Sandbox).where(Sandbox.state != S.KILLED.value)))
+    return list(session.scalars(select(Sandbox).where(Sandbox.state != S.KILLED)))
 
 
 def seconds_until(when: dt.datetime) -> float:
     return (when - utcnow()).total_seconds()
+
+
+def set_end(session: Session, sandbox_id: str, timeout_s: int) -> Sandbox:
+    """The sandbox now ends ``timeout_s`` seconds from now (E2B's set_timeout), with its event."""
+    end = utcnow() + dt.timedelta(seconds=timeout_s)
+    return update_sandbox(session, sandbox_id, operation="set_timeout", detail={"timeout_s": timeout_s},
+                          end_at=end)
