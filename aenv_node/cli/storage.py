@@ -167,18 +167,17 @@ def _check_in_repository(repo: Repository, digests: Sequence[str]) -> None:
 
 
 def _record_layer(cfg: Config, digest: str, info: LayerInfo, location: str) -> None:
-    """Add the layer's row to ``layers`` (kept as is if the layer was already known: content-addressed)."""
-    from ..state import Layer
+    """Add the layer's row to ``layers`` as a layer of the repository, under the key ``location`` (no local
+    file: the staging copy goes); kept as is if the layer was already known (content-addressed)."""
+    from ..state import Layer, LayerKind
 
     db = _database(cfg)
     try:
         with db.session() as s:
-            row = s.get(Layer, digest)
-            if row is None:
-                s.add(Layer(digest=digest, kind="disk", size_bytes=info.file_size,
-                            virtual_size_bytes=info.virtual_size, location=location, refcount=0))
-            else:
-                row.location = location
+            if s.get(Layer, digest) is None:
+                s.add(Layer(digest=digest, kind=LayerKind.DISK, size_bytes=info.file_size,
+                            virtual_size_bytes=info.virtual_size, local_path=None, repository_key=location,
+                            refcount=0))
     finally:
         db.close()
 
@@ -395,7 +394,11 @@ async def _serve(cfg: Config, digests: list[str], upper_dir: Path | None, peek: 
             else:
 
                 def opener(d: str) -> RandomAccessSource:
-                    return FileSource(repo.local_path(d))  # type: ignore[arg-type]
+                    path = repo.local_path(d)
+                    if path is None:
+                        raise ValueError(f"layer {d} is not a file on this node ({repo.kind} repository): "
+                                         "read it through the cache")
+                    return FileSource(path)
 
             pool = LayerPool(opener=opener)
             readers = [await trio.to_thread.run_sync(pool.get, d) for d in digests]

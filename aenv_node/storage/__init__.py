@@ -18,6 +18,7 @@ from .image import Image
 from .importer import import_raw
 from .layer import Extent, LayerInfo, LayerReader, LayerWriter
 from .layer_pool import LayerPool
+from .layer_ref import LayerRef, LayerSourceProvider, open_image, open_reader
 from .materialize import MaterializeStats, materialize, reflink_supported
 from .source import BytesSource, FileSource, RandomAccessSource
 from .upper import Upper
@@ -33,6 +34,10 @@ __all__ = [
     "LayerReader",
     "LayerWriter",
     "LayerPool",
+    "LayerRef",
+    "LayerSourceProvider",
+    "open_image",
+    "open_reader",
     "LayerInfo",
     "Extent",
     "Change",

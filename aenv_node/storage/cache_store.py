@@ -17,6 +17,7 @@ from sqlalchemy.dialects.sqlite import insert
 
 from ..state.db import Database
 from ..state.models import CacheEntry
+from .cache_layer import CachedLayer
 
 __all__ = ["CacheStore", "CacheRow"]
 
@@ -35,6 +36,22 @@ class CacheRow:
     evicted_bytes: int
     created_at: float
     last_access_at: float
+
+    @classmethod
+    def of(cls, x: CachedLayer) -> CacheRow:
+        """The row of a cached layer's current counters (the caller holds the cache's lock)."""
+        return cls(
+            layer_digest=x.digest,
+            path=str(x.data_path),
+            size_bytes=x.size,
+            cached_bytes=x.cached_bytes,
+            hits=x.hits,
+            misses=x.misses,
+            fetched_bytes=x.fetched_bytes,
+            evicted_bytes=x.evicted_bytes,
+            created_at=x.created_at,
+            last_access_at=x.last_access_at,
+        )
 
 
 def _ts(t: float) -> dt.datetime:

@@ -14,15 +14,15 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .layer import LayerInfo, LayerReader, LayerWriter
-from .stack import ZERO, merge_layers
+from .layer import LayerInfo, LayerWriter
+from .stack import ZERO, StackLayer, merge_layers
 
 __all__ = ["compact_layers", "diff_extents", "Change"]
 
 _COPY_CHUNK = 1 << 20
 
 
-def compact_layers(layers: Sequence[LayerReader], dest_dir: str | os.PathLike[str], *, bottom: bool,
+def compact_layers(layers: Sequence[StackLayer], dest_dir: str | os.PathLike[str], *, bottom: bool,
                    compression: str | None = None, virtual_size: int | None = None) -> LayerInfo:
     """Write one layer equivalent to ``layers`` (bottom first) stacked; ``bottom`` if nothing lies below."""
     if not layers:
@@ -49,7 +49,7 @@ class Change(NamedTuple):
     zeroed: bool  # True: the range now reads as zeros; False: it holds data of the newer layers
 
 
-def diff_extents(newer: Sequence[LayerReader], base: Sequence[LayerReader]) -> list[Change]:
+def diff_extents(newer: Sequence[StackLayer], base: Sequence[StackLayer]) -> list[Change]:
     """Ranges where ``base + newer`` may read differently from ``base`` alone: everything the newer layers
     map, except zeroed ranges over parts where the base holds no data (they read as zeros either way)."""
     top = merge_layers(newer)

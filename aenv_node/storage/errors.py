@@ -15,6 +15,8 @@ __all__ = [
     "UpperCorrupt",
     "UpperFull",
     "ImageError",
+    "CacheError",
+    "CacheFilesystemUnsupported",
 ]
 
 
@@ -61,3 +63,11 @@ class UpperFull(StorageError):
 
 class ImageError(StorageError):
     """Layers that cannot be stacked (size mismatch, wrong order) or an operation on a closed image."""
+
+
+class CacheError(StorageError):
+    """The local cache cannot do its job (its directory is unusable, a repository read came back short)."""
+
+
+class CacheFilesystemUnsupported(CacheError):
+    """The cache directory's filesystem cannot punch holes, so eviction could not free space."""

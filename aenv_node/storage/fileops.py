@@ -47,7 +47,8 @@ def copy_range(src: int, src_off: int, length: int, dst: int, dst_off: int) -> N
 
 def punch_hole(fd: int, offset: int, length: int) -> bool:
     """Deallocate a range (reads back as zeros). False where the filesystem cannot."""
-    return _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
+    rc: int = _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+    return rc == 0
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -24,7 +24,7 @@ from . import layer_format as F
 from .blockdev import check_range
 from .errors import ImageError, OutOfRange, ReadOnlyDevice
 from .layer import LAYER_SUFFIX, LayerInfo, LayerReader
-from .stack import Runs, layer_level, merge, merge_layers, runs_level
+from .stack import Runs, StackLayer, layer_level, merge, merge_layers, runs_level
 from .upper import CHUNK_SHIFT, ZEROED, Upper
 
 if TYPE_CHECKING:
@@ -40,10 +40,10 @@ _CMASK = (1 << CHUNK_SHIFT) - 1
 _AUTO_FLUSH_BYTES = 1 << 20  # pending log records (32 B per new run) past which a write flushes by itself
 
 
-def _digests(layers: Sequence[LayerReader]) -> list[str] | None:
+def _digests(layers: Sequence[StackLayer]) -> list[str] | None:
     """The layers' digests, or None if any is unknown (then no stack is recorded in the upper)."""
     out = [l.digest for l in layers]
-    return None if any(d is None for d in out) else out  # type: ignore[return-value]
+    return None if any(d is None for d in out) else [d for d in out if d is not None]
 
 
 class _Gen:
@@ -51,7 +51,7 @@ class _Gen:
 
     __slots__ = ("layers", "upper", "runs", "starts", "owner", "doff", "readers")
 
-    def __init__(self, layers: tuple[LayerReader, ...], upper: Upper | None, runs: Runs, size: int) -> None:
+    def __init__(self, layers: tuple[StackLayer, ...], upper: Upper | None, runs: Runs, size: int) -> None:
         self.layers = layers
         self.upper = upper
         self.runs = runs
@@ -129,11 +129,13 @@ class Image:
         try:
             for p in layer_paths:
                 layers.append(LayerReader.open(p, verify_reads=verify_reads))
-            if upper_dir is not None and size is None:
-                if not layers:
-                    raise ImageError("size is required for an image with no layers")
-                size = layers[-1].virtual_size
-            upper = Upper(upper_dir, size, fsync=fsync) if upper_dir is not None else None  # type: ignore[arg-type]
+            upper = None
+            if upper_dir is not None:
+                if size is None:
+                    if not layers:
+                        raise ImageError("size is required for an image with no layers")
+                    size = layers[-1].virtual_size
+                upper = Upper(upper_dir, size, fsync=fsync)
             try:
                 return cls(layers, upper, size=size, own_layers=True)
             except BaseException:
@@ -167,7 +169,9 @@ class Image:
 
     # -- introspection -------------------------------------------------------------------------------------
     @property
-    def layers(self) -> tuple[LayerReader, ...]:
+    def layers(self) -> tuple[StackLayer, ...]:
+        """The read-only levels, bottom first: layers, and an upper that ``freeze`` took out of service until
+        ``seal_frozen`` replaces it by its layer."""
         return self._gen.layers
 
     @property
@@ -377,7 +381,7 @@ class Image:
             k = len(g.layers)
             runs = merge([runs_level(g.runs), layer_level(frozen.extents, owner=k)])
             self._owned.add(id(frozen))
-            self._gen = _Gen(g.layers + (frozen,), new_upper, runs, self.size)  # type: ignore[arg-type]
+            self._gen = _Gen(g.layers + (frozen,), new_upper, runs, self.size)
             return frozen
 
     def seal_frozen(self, frozen: _FrozenUpper, layers_dir: str | os.PathLike[str], *,

@@ -19,7 +19,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, NamedTuple
+from typing import Any, Callable, Iterator, Literal, NamedTuple
 
 import numpy as np
 
@@ -40,7 +40,7 @@ ZeroPolicy = Literal["keep", "omit", "zeroed"]
 try:  # zstandard is a project dependency; keep uncompressed layers usable without it
     import zstandard as _zstd
 except ImportError:  # pragma: no cover
-    _zstd = None
+    _zstd = None  # type: ignore[assignment]  # reason: typed as the module; every use checks for None first
 
 
 class Extent(NamedTuple):
@@ -64,14 +64,14 @@ class LayerInfo:
     compressed: bool
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
         view = view[n:]
 
 
-def block_checksums(data: bytes | memoryview, csum: "Callable[[bytes | memoryview], int]") -> list[int]:
+def block_checksums(data: bytes | bytearray | memoryview, csum: "Callable[[bytes | memoryview], int]") -> list[int]:
     """Checksum of every 4 KiB block of ``data`` (length a multiple of 4 KiB)."""
     mv = memoryview(data)
     B = F.BLOCK
@@ -153,7 +153,7 @@ class LayerWriter:
         self._done = False
 
     # -- output --------------------------------------------------------------------------------------------
-    def _write(self, data: bytes | memoryview) -> None:
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
         _write_all(self._fd, data)
         self._hash.update(data)
 
@@ -168,7 +168,7 @@ class LayerWriter:
         self._write(stored)
         self._data_written += len(stored)
 
-    def _append_stream(self, data: bytes | memoryview) -> int:
+    def _append_stream(self, data: bytes | bytearray | memoryview) -> int:
         doff = self._stream
         if self._compressed:
             self._pending += data
@@ -220,7 +220,7 @@ class LayerWriter:
             self._add_extent(offset, length, self._append_stream(data), 0)
             self._data_bytes += length
             return
-        nz = np.frombuffer(data, dtype=np.uint64).reshape(-1, F.BLOCK // 8).any(axis=1)
+        nz = np.asarray(np.frombuffer(data, dtype=np.uint64).reshape(-1, F.BLOCK // 8).any(axis=1))
         if nz.all():
             self._add_extent(offset, length, self._append_stream(data), 0)
             self._data_bytes += length
@@ -329,14 +329,15 @@ class LayerReader:
             raise LayerCorrupt("index", g.index_offset, "checksum mismatch", self.name)
         n = g.extent_count * F.EXTENT_DTYPE.itemsize
         self.extents = np.frombuffer(index, dtype=F.EXTENT_DTYPE, count=g.extent_count)
+        # the table the layer does not have is empty: a compressed layer has a jump table and no block
+        # checksums (each group has its own), an uncompressed one the reverse
+        self._jump: np.ndarray = np.empty(0, F.JUMP_DTYPE)
+        self._crcs: array.array[int] = array.array("Q")
         if self.compressed:
             self._jump = np.frombuffer(index, dtype=F.JUMP_DTYPE, offset=n, count=g.checksum_count)
-            self._crcs = None
         else:
-            self._jump = None
             # array.array: scalar access is ~5x faster than numpy's on the read path, and 8 bytes per block
             # (a list would cost 40: 100 MiB for a 10 GiB layer)
-            self._crcs = array.array("Q")
             self._crcs.frombytes(
                 np.frombuffer(index, dtype=F.CSUM_DTYPE, offset=n, count=g.checksum_count).astype("=u8").tobytes())
         self._csum = F.data_checksum(g.flags)
@@ -347,14 +348,14 @@ class LayerReader:
         self._dctx_local = threading.local()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], **kw: object) -> "LayerReader":
+    def open(cls, path: str | os.PathLike[str], **kw: Any) -> "LayerReader":
         """Open a local layer file (its digest is taken from a ``<digest>.layer`` name)."""
         path = os.fspath(path)
         base = os.path.basename(path)
         digest = base[: -len(LAYER_SUFFIX)] if base.endswith(LAYER_SUFFIX) and len(base) == 64 + 6 else None
         src = FileSource(path)
         try:
-            return cls(src, name=path, digest=digest, **kw)  # type: ignore[arg-type]
+            return cls(src, name=path, digest=digest, **kw)
         except BaseException:
             src.close()
             raise

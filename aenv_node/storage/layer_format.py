@@ -70,6 +70,7 @@ JUMP_DTYPE = np.dtype([("off", "<u8"), ("stored", "<u4"), ("rsv", "<u4"), ("csum
 CSUM_DTYPE = np.dtype("<u8")
 assert EXTENT_DTYPE.itemsize == 32 and JUMP_DTYPE.itemsize == 24
 
+_xxh3: Callable[[bytes | memoryview], int] | None
 try:
     import xxhash as _xxhash
 

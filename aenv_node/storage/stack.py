@@ -11,16 +11,34 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
 from . import layer_format as F
 
-__all__ = ["HOLE", "ZERO", "Level", "Runs", "merge", "merge_layers", "layer_level", "runs_level"]
+__all__ = ["HOLE", "ZERO", "Level", "StackLayer", "Runs", "merge", "merge_layers", "layer_level", "runs_level"]
 
 HOLE = -1  # no layer maps the range: reads as zeros, falls through to whatever is below the merged stack
 ZERO = -2  # a zeroed extent maps the range: reads as zeros, shadows what is below
+
+
+class StackLayer(Protocol):
+    """What merging and reading a stack needs of one of its read-only layers: a ``LayerReader``, or an upper
+    that ``Image.freeze`` took out of service and that serves reads until it is sealed."""
+
+    @property
+    def extents(self) -> np.ndarray: ...  # EXTENT_DTYPE
+
+    @property
+    def virtual_size(self) -> int: ...
+
+    @property
+    def digest(self) -> str | None: ...
+
+    def read_stream(self, doff: int, length: int) -> bytes: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,7 @@ class Runs:
         """(start, end, owner, doff) tuples."""
         return zip(self.start.tolist(), self.end.tolist(), self.owner.tolist(), self.doff.tolist())
 
-    def partition(self, size: int) -> tuple[array.array, array.array, array.array]:
+    def partition(self, size: int) -> tuple[array.array[int], array.array[int], array.array[int]]:
         """Cover ``[0, size)`` completely (holes as ``HOLE`` runs): arrays (starts + [size] sentinel, owner,
         doff) for bisect lookups (``array.array``: fast scalar access, 8 bytes per entry)."""
         s, e, o, d = self.start, self.end, self.owner, self.doff
@@ -97,7 +115,7 @@ class Runs:
             starts, owner, doff = (np.concatenate((a, [v])) for v, a in ((tail, starts), (HOLE, owner), (0, doff)))
         starts = np.concatenate((starts, [size]))
 
-        def arr(x: np.ndarray) -> array.array:
+        def arr(x: np.ndarray) -> array.array[int]:
             out = array.array("q")
             out.frombytes(x.astype("=i8").tobytes())
             return out
@@ -155,6 +173,6 @@ def merge(levels: Sequence[Level]) -> Runs:
     return Runs(start, end, owner, doff)
 
 
-def merge_layers(layers: Sequence[object]) -> Runs:
-    """Merge ``LayerReader``s (bottom first); run owners index into ``layers``."""
-    return merge([layer_level(l.extents) for l in layers])  # type: ignore[attr-defined]
+def merge_layers(layers: Sequence[StackLayer]) -> Runs:
+    """Merge layers (bottom first); run owners index into ``layers``."""
+    return merge([layer_level(l.extents) for l in layers])

@@ -8,7 +8,8 @@ Files in the upper's directory, for generation N (bumped by every seal):
   unflushed trim expose another block's data after a crash.  Because data blocks
   are 4 KiB-aligned at offset 4 KiB, sealing turns this file into a layer by writing a header, an index and a
   trailer around it: no data copy.
-- ``stack.N`` (optional): the digests of the layers the upper sits on, bottom first, as JSON.  Written before
+- ``stack.N`` (optional): the digests of the layers the upper sits on, bottom first (``UpperStack``, JSON
+  ``{"version": 1, "layers": [...]}``, read and written only by this module).  Written before
   the log header of its generation (so a seal commits the new layer list and the fresh upper at once) and
   replaced atomically by a compaction, it lets a crashed node reopen every image exactly as it was.
 - ``log.N``: a 64-byte header, then 32-byte records (map a run of virtual blocks to physical blocks, or mark a
@@ -30,19 +31,19 @@ the map only after its data is written, and never reused.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
-from typing import Iterator, Sequence
+from typing import Iterator, Literal, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from . import layer_format as F
 from .errors import UpperCorrupt, UpperFull
 from .fileops import fsync_dir
 
-__all__ = ["Upper", "ABSENT", "ZEROED"]
+__all__ = ["Upper", "UpperStack", "ABSENT", "ZEROED"]
 
 ABSENT = -1  # not written in this upper: read through to the layers below
 ZEROED = -2  # trimmed / write-zeroed in this upper: reads as zeros
@@ -62,6 +63,26 @@ REC_ZERO = 2
 REC_COMMIT = 3  # ends the records of one flush (count = how many)
 
 _GEN_RE = re.compile(r"^(log|data|stack)\.(\d+)$")
+
+
+class UpperStack(BaseModel):
+    """``stack.N``: the layers an upper of generation N sits on, bottom first (their digests).
+
+    Version 1 is the only format so far; a file without a version is one.  A file of a newer version is not
+    read (``UpperCorrupt``): its upper's writes are not to be reopened over a stack this code may misread."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    version: Literal[1] = 1
+    layers: list[str]
+
+    @classmethod
+    def decode(cls, data: bytes) -> UpperStack:
+        """``ValueError`` if ``data`` is not a stack file this code reads."""
+        return cls.model_validate_json(data)
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
 
 
 def _pack_rec(kind: int, count: int, vb: int, pb: int, seq: int) -> bytes:
@@ -168,16 +189,14 @@ class Upper:
 
     def _read_stack(self, gen: int) -> list[str] | None:
         try:
-            with open(self._stack_path(gen), encoding="utf-8") as f:
-                doc = json.load(f)
+            with open(self._stack_path(gen), "rb") as f:
+                data = f.read()
         except FileNotFoundError:
             return None
+        try:
+            return list(UpperStack.decode(data).layers)
         except ValueError as e:
-            raise UpperCorrupt(f"{self._stack_path(gen)}: unreadable ({e})") from None
-        layers = doc.get("layers") if isinstance(doc, dict) else None
-        if not isinstance(layers, list) or not all(isinstance(d, str) for d in layers):
-            raise UpperCorrupt(f"{self._stack_path(gen)}: no layer list")
-        return layers
+            raise UpperCorrupt(f"{self._stack_path(gen)}: not a layer stack ({e})") from None
 
     def _write_stack(self, gen: int, stack: Sequence[str] | None) -> None:
         path = self._stack_path(gen)
@@ -187,8 +206,8 @@ class Upper:
             except FileNotFoundError:
                 pass
             return
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"version": 1, "layers": list(stack)}, f)
+        with open(path + ".tmp", "wb") as f:
+            f.write(UpperStack(layers=list(stack)).encode())
             f.flush()
             if self._fsync:
                 os.fsync(f.fileno())

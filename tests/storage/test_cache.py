@@ -142,7 +142,7 @@ def _slow_gets(repo, delay: float) -> list[str]:  # type: ignore[no-untyped-def]
     return gets
 
 
-def test_single_flight(moto_endpoint: str, tmp_path: Path) -> None:
+def test_single_flight(moto_endpoint: str, tmp_path: Path) -> None:  # noqa: F811 - a fixture from s3server
     repo = make_s3_repository(moto_endpoint)
     try:
         data = random.Random(3).randbytes(2 * MiB)
@@ -175,7 +175,10 @@ def test_single_flight(moto_endpoint: str, tmp_path: Path) -> None:
         delete_bucket(repo)
 
 
-def test_single_flight_failure_reaches_every_waiter(moto_endpoint: str, tmp_path: Path) -> None:
+def test_single_flight_failure_reaches_every_waiter(
+    moto_endpoint: str,  # noqa: F811 - a fixture from s3server
+    tmp_path: Path,
+) -> None:
     repo = make_s3_repository(moto_endpoint)
     try:
         data = random.Random(4).randbytes(1 * MiB)

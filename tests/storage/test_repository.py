@@ -291,7 +291,7 @@ def test_truncated_source_leaves_nothing(repo: Repository, tmp_path: Path) -> No
 
 
 # -- s3 specifics ---------------------------------------------------------------------------------------------
-def test_s3_failed_part_aborts_upload(moto_endpoint: str, tmp_path: Path) -> None:
+def test_s3_failed_part_aborts_upload(moto_endpoint: str, tmp_path: Path) -> None:  # noqa: F811 - a fixture from s3server
     """S3 rejects a part (injected by a botocore event handler on the real client): the upload is aborted,
     the layer is not visible, no pending upload remains."""
     repo = make_s3_repository(moto_endpoint, multipart_threshold=6 * MiB, part_size=5 * MiB, upload_concurrency=1)
@@ -356,7 +356,7 @@ def test_s3_unreachable_is_typed(tmp_path: Path) -> None:
     repo.close()
 
 
-def test_open_repository(tmp_path: Path, moto_endpoint: str) -> None:
+def test_open_repository(tmp_path: Path, moto_endpoint: str) -> None:  # noqa: F811 - a fixture from s3server
     r = open_repository("posix_fs", path=tmp_path / "r")
     assert isinstance(r, PosixFsRepository) and (tmp_path / "r" / "manifests").is_dir()
     s3 = open_repository(
@@ -503,7 +503,7 @@ def test_ownership_claim_race_processes(tmp_path: Path) -> None:
         assert rec is not None and rec.owner == won[0][0] and rec.generation == 2
 
 
-def test_s3_conditional_writes_probe(moto_endpoint: str) -> None:
+def test_s3_conditional_writes_probe(moto_endpoint: str) -> None:  # noqa: F811 - a fixture from s3server
     """moto honours If-None-Match / If-Match on PUT and If-Match on DELETE: the probe says so; with deletes
     assumed unconditional, a drop fences the record first and still removes it."""
     repo = make_s3_repository(moto_endpoint)
@@ -523,7 +523,9 @@ def test_s3_conditional_writes_probe(moto_endpoint: str) -> None:
         delete_bucket(repo)
 
 
-def test_s3_server_without_conditional_writes_is_refused(big_s3) -> None:  # type: ignore[no-untyped-def]
+def test_s3_server_without_conditional_writes_is_refused(  # type: ignore[no-untyped-def]
+    big_s3,  # noqa: F811 - a fixture from s3server
+) -> None:
     """s3rver answers 200 to a PUT whose If-None-Match / If-Match fails: the backend finds out with its probe
     and refuses ownership writes (reads still work) instead of pretending to be single-writer."""
     if big_s3.kind != "s3rver":
@@ -549,7 +551,7 @@ def test_s3_server_without_conditional_writes_is_refused(big_s3) -> None:  # typ
 
 
 class Chains:
-    """Three sandboxes' published chains (persist.py's manifest shape) in one repository:
+    """Three sandboxes' published chains (snapshot/manifest.py's shape) in one repository:
 
     * ``ka`` was killed: its record is gone, its snapshot ``snap-ka1`` and layers ``da1``/``ma1`` unreachable;
     * ``pb`` is paused after three pauses: its record names ``snap-pb3``; ``snap-pb1``/``snap-pb2`` (and the
@@ -775,7 +777,7 @@ def test_gc_is_conservative_about_what_it_cannot_read(repo: Repository, tmp_path
     report = repo.collect_garbage(0)  # snap-odd is unreachable and now old enough: it goes, unread
     assert "snap-odd" in report.manifests_removed and report.unreadable_manifests == []
     assert set(report.layers_removed) == c.digests(*Chains.GARBAGE_LAYERS)
-    repo.put_manifest("sandbox-bad", {"snapshot_id": 5})  # a record naming nothing usable: ignored
+    repo.put_manifest("sandbox-bad", {"snapshot_id": 5})  # an unreadable record: this collection keeps all
     assert repo.collect_garbage(0).manifests_removed == []
     assert "sandbox-bad" in repo.list_manifests()
     with pytest.raises(ValueError):

@@ -73,7 +73,7 @@ class Cli:
             return {}
         with sqlite3.connect(db) as c:
             return {r[0]: r[1:] for r in c.execute(
-                "select digest, kind, size_bytes, virtual_size_bytes, location, refcount from layers")}
+                "select digest, kind, size_bytes, virtual_size_bytes, repository_key, refcount from layers")}
 
     def serve(self, *args: str) -> Server:
         return Server(self, list(args))

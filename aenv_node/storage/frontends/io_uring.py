@@ -74,6 +74,8 @@ class Ring:
             raise IoUringError(err, f"io_uring_setup: {os.strerror(err)}")
         self.fd = fd
         v = _PARAMS.unpack(params)
+        self.sq_entries: int
+        self.cq_entries: int
         self.sq_entries, self.cq_entries, _flags, _cpu, _idle, self.features = v[0:6]
         sq_head, sq_tail, sq_mask, _sq_ent, _sq_flags, _dropped, sq_array = v[10:17]
         cq_head, cq_tail, cq_mask, _cq_ent, _overflow, cq_cqes = v[19:25]
@@ -93,7 +95,7 @@ class Ring:
         self._cq_head, self._cq_tail, self._cqes = cq_head, cq_tail, cq_cqes
         self._sq_mask = struct.unpack_from("<I", self._ring, sq_mask)[0]
         self._cq_mask = struct.unpack_from("<I", self._ring, cq_mask)[0]
-        self._tail = struct.unpack_from("<I", self._ring, sq_tail)[0]
+        self._tail: int = struct.unpack_from("<I", self._ring, sq_tail)[0]
         self._pending = 0
         self._ext = bytearray(_EXT_ARG.size)
         self._ts = bytearray(_TIMESPEC.size)
@@ -115,7 +117,7 @@ class Ring:
 
     @property
     def space(self) -> int:
-        head = struct.unpack_from("<I", self._ring, self._sq_head)[0]
+        head: int = struct.unpack_from("<I", self._ring, self._sq_head)[0]
         return self.sq_entries - ((self._tail - head) & 0xFFFFFFFF)
 
     def prep(self, opcode: int, fd: int, *, off: int = 0, addr: int = 0, length: int = 0, op_flags: int = 0,
@@ -149,7 +151,7 @@ class Ring:
             arg, argsz = self._ext_buf, _EXT_ARG.size
             flags |= ENTER_EXT_ARG
         to_submit = self._pending
-        rc = _libc.syscall(_SYS_IO_URING_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(to_submit),
+        rc: int = _libc.syscall(_SYS_IO_URING_ENTER, ctypes.c_int(self.fd), ctypes.c_uint(to_submit),
                            ctypes.c_uint(wait), ctypes.c_uint(flags), arg, ctypes.c_size_t(argsz))
         if rc < 0:
             err = ctypes.get_errno()

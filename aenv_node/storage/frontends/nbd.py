@@ -32,7 +32,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -107,7 +107,7 @@ class _Transmission:
         if typ == P.CMD_WRITE:
             if length > MAX_PAYLOAD:
                 raise NbdProtocolError(f"WRITE of {length} bytes exceeds the {MAX_PAYLOAD}-byte maximum")
-            return P.REQUEST.size + length
+            return P.REQUEST.size + int(length)
         return P.REQUEST.size
 
     def handle(self, view: memoryview, pos: int, end: int, out: list[bytes]) -> tuple[int, bool]:
@@ -188,7 +188,7 @@ class _Transmission:
         return pos, False
 
     @staticmethod
-    def _call(fn, args: tuple, write: bool) -> int:  # type: ignore[no-untyped-def]
+    def _call(fn: Callable[..., object], args: tuple[int, ...], write: bool) -> int:
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001

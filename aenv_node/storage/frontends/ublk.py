@@ -270,9 +270,9 @@ class UblkServer:
     def _do_io(self, tag: int, bufs: mmap.mmap, maxio: int) -> int:
         assert self._descs is not None
         op_flags, nr_sectors, start_sector, _addr_ = _IO_DESC.unpack_from(self._descs, tag * _IO_DESC.size)
-        op = op_flags & 0xFF
-        offset = start_sector << 9
-        length = nr_sectors << 9
+        op: int = op_flags & 0xFF
+        offset: int = start_sector << 9
+        length: int = nr_sectors << 9
         dev = self.device
         self.ios += 1
         try:

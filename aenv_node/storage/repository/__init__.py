@@ -1,7 +1,9 @@
 """The layer repository: persistent, shared store of immutable layers and snapshot manifests.
 
 One interface (``Repository``), two backends: ``posix_fs`` (a directory, the default) and ``s3``.
-``Repository.collect_garbage`` (gc.py) removes what no sandbox record reaches any more.
+``Repository.collect_garbage`` (gc.py) removes what no sandbox record reaches any more.  The two documents the
+repository itself reads are typed: the ``sandbox-<id>`` ownership record (``Ownership``, ownership.py) and the
+layers a snapshot manifest names (``LayerManifest``, manifest.py).
 ``open_repository(kind, **options)`` builds one from the node's ``[storage]`` configuration.
 """
 
@@ -36,6 +38,7 @@ from .errors import (
     RepositoryUnavailable,
 )
 from .gc import GcReport
+from .manifest import DiskLayerRef, LayerManifest
 from .posix_fs import PosixFsRepository
 
 __all__ = [
@@ -43,6 +46,8 @@ __all__ = [
     "CommitResult",
     "GcReport",
     "ObjectInfo",
+    "LayerManifest",
+    "DiskLayerRef",
     "PosixFsRepository",
     "S3Repository",
     "open_repository",

@@ -23,20 +23,22 @@ every write).  It is one document on purpose: "which snapshot is newest" and "wh
 that disagree.  Every change is a compare-and-swap against the version the caller read (``Ownership.token``):
 the backend primitives ``_get_versioned`` / ``_put_if`` / ``_delete_if`` are a lock around read-compare-write
 (posix_fs) or conditional requests (S3 ``If-None-Match: *`` / ``If-Match: <etag>``).  A backend that cannot do
-that raises ``OwnershipUnsupported`` instead of writing without the guarantee.  A pointer written before
-ownership existed (no ``owner``) reads as ``paused``, owned by nobody, generation 0.
+that raises ``OwnershipUnsupported`` instead of writing without the guarantee.  The record itself (its fields,
+its version, how a pointer written before ownership existed reads) is ``Ownership`` in ownership.py, the one
+module that parses and encodes it; what the repository reads from a snapshot manifest (the layers it names) is
+``LayerManifest`` in manifest.py.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 import hashlib
-import json
 import os
 import re
-import time
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Optional, TypeVar, Union
 
 from .errors import (
     DigestMismatch,
@@ -45,6 +47,15 @@ from .errors import (
     OwnershipChanged,
     OwnershipConflict,
     OwnershipUnsupported,
+)
+from .manifest import LayerManifest, check_digest, decode_manifest, encode_manifest
+from .ownership import (
+    OWNER_DELETING,
+    OWNER_PAUSED,
+    OWNER_RUNNING,
+    Ownership,
+    OwnerState,
+    sandbox_record_id,
 )
 
 if TYPE_CHECKING:
@@ -65,23 +76,18 @@ __all__ = [
     "Ownership",
     "OWNER_PAUSED",
     "OWNER_RUNNING",
+    "OWNER_DELETING",
     "sandbox_record_id",
     "ObjectInfo",
+    "LayerManifest",
 ]
 
-_DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
+M = TypeVar("M", bound=LayerManifest)
+
 _MANIFEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 #: How much of a source file is read at a time while hashing/copying it.
 READ_CHUNK = 1 << 20
-
-
-def check_digest(digest: str) -> str:
-    """Return the hex part of a ``sha256:<hex>`` digest, or raise ``InvalidName``."""
-    m = _DIGEST_RE.match(digest) if isinstance(digest, str) else None
-    if m is None:
-        raise InvalidName(f"not a layer digest (want 'sha256:' + 64 lowercase hex digits): {digest!r}")
-    return m.group(1)
 
 
 def check_manifest_id(manifest_id: str) -> str:
@@ -125,63 +131,19 @@ def verify_digest(expected: str, h: "hashlib._Hash", source: str) -> None:
         raise DigestMismatch(expected, actual, source)
 
 
-def encode_manifest(manifest: Mapping[str, Any]) -> bytes:
-    if not isinstance(manifest, Mapping):
-        raise TypeError(f"a manifest is a JSON object (a mapping), not {type(manifest).__name__}")
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-
-
-def decode_manifest(data: bytes) -> dict[str, Any]:
-    return json.loads(data)
-
-
-#: Ownership states: ``paused`` = any node may claim the sandbox; ``running`` = the owner runs it;
-#: ``deleting`` = the owner is removing the record (a fence some S3 backends need before a delete).
-OWNER_PAUSED = "paused"
-OWNER_RUNNING = "running"
-OWNER_DELETING = "deleting"
-
 #: How often a claim/publish/delete re-reads and retries after losing a compare-and-swap to a concurrent writer.
 CAS_RETRIES = 8
 
 
-def sandbox_record_id(sandbox_id: str) -> str:
-    """The manifest id of a sandbox's pointer + ownership record."""
-    return f"sandbox-{sandbox_id}"
+class _Read(enum.Enum):
+    READ = "read"
 
 
-@dataclass(frozen=True)
-class Ownership:
-    """A sandbox's ownership record as read (``token`` is the backend's version of it, for compare-and-swap)."""
-
-    sandbox_id: str
-    owner: str  # "" for a pointer written before ownership existed: nobody owns it
-    state: str  # paused | running | deleting
-    generation: int
-    snapshot_id: Optional[str]  # the newest published snapshot (None: claimed before any publish)
-    updated_at: float
-    token: str = field(default="", compare=False, repr=False)
-    doc: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def parse(cls, sandbox_id: str, data: bytes, token: str) -> "Ownership":
-        doc = decode_manifest(data)
-        return cls(sandbox_id=sandbox_id, owner=str(doc.get("owner") or ""),
-                   state=str(doc.get("state") or OWNER_PAUSED), generation=int(doc.get("generation") or 0),
-                   snapshot_id=doc.get("snapshot_id"),
-                   updated_at=float(doc.get("updated_at") or doc.get("published_at") or 0.0),
-                   token=token, doc=doc)
-
-    def held_by_other(self, owner: str) -> bool:
-        """True if another node holds it (running, or deleting): ``owner`` may not claim it."""
-        return self.state != OWNER_PAUSED and self.owner not in ("", owner)
-
-    def to_manifest(self) -> dict[str, Any]:
-        return {**self.doc, "sandbox_id": self.sandbox_id, "snapshot_id": self.snapshot_id, "owner": self.owner,
-                "state": self.state, "generation": self.generation, "updated_at": self.updated_at}
-
-
-_READ: Any = object()  # "read the record yourself" (the default of ``expect``)
+#: "read the record yourself" (the default of ``expect``).
+_READ: Final = _Read.READ
+#: What a compare-and-swap is against: a record the caller read, None ("absent"), or ``_READ``.
+Expect = Union[Ownership, None, _Read]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -267,75 +229,79 @@ class Repository(abc.ABC):
     @abc.abstractmethod
     def delete_manifest(self, manifest_id: str) -> None: ...
 
+    def read_manifest(self, manifest_id: str, model: type[M]) -> M:
+        """A snapshot manifest parsed as ``model`` (``LayerManifest`` or a subclass): ``ManifestNotFound`` if
+        absent, ``ValueError`` if it is not one."""
+        return model.decode(self._get_manifest_bytes(check_manifest_id(manifest_id)))
+
     # -- sandbox ownership (single-writer across nodes) ----------------------------------------------------
     def get_ownership(self, sandbox_id: str) -> Optional[Ownership]:
-        """The sandbox's record, or None if it has none (never published, or killed)."""
+        """The sandbox's record, or None if it has none (never published, or killed); ``ValueError`` if the
+        record is not one this code can read (ownership.py)."""
         got = self._get_versioned(sandbox_record_id(sandbox_id))
         return None if got is None else Ownership.parse(sandbox_id, *got)
 
-    def claim_sandbox(self, sandbox_id: str, owner: str, *, expect: Any = _READ) -> Ownership:
+    def claim_sandbox(self, sandbox_id: str, owner: str, *, expect: Expect = _READ) -> Ownership:
         """Claim a sandbox to run it: (absent | ``paused`` | held by ``owner``) -> ``running``, owned by ``owner``.
 
         ``OwnershipConflict`` if another node holds it.  With ``expect`` (a record the caller read and decided
         on, or None for "absent"), the swap is against exactly that version and ``OwnershipChanged`` is raised
         if it moved on; without it the record is read here and the swap retried on a lost race.
         """
-        def step(cur: Optional[Ownership]) -> Ownership:
+        def attempt(cur: Optional[Ownership]) -> Ownership:
             if cur is not None and cur.held_by_other(owner):
                 raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "resume")
-            return self._next(sandbox_id, cur, owner=owner, state=OWNER_RUNNING,
+            return self._swap(cur, sandbox_id, owner=owner, state=OWNER_RUNNING,
                               snapshot_id=cur.snapshot_id if cur is not None else None)
 
-        return self._cas_loop(sandbox_id, expect, step)  # type: ignore[return-value]
+        return self._cas(sandbox_id, expect, attempt)
 
     def release_sandbox(self, sandbox_id: str, owner: str, snapshot_id: Optional[str], *,
-                        expect: Any = _READ) -> Ownership:
+                        expect: Expect = _READ) -> Ownership:
         """Publish a pause: (absent | owned by ``owner`` | legacy) -> ``paused`` at ``snapshot_id``, owner ``owner``.
 
         ``OwnershipConflict`` if another node owns the record (it claimed the sandbox meanwhile: this node's
         copy is not the newest any more).  ``expect`` as in ``claim_sandbox``.
         """
-        def step(cur: Optional[Ownership]) -> Ownership:
+        def attempt(cur: Optional[Ownership]) -> Ownership:
             if cur is not None and cur.owner not in ("", owner):
                 raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "publish")
-            new = self._next(sandbox_id, cur, owner=owner, state=OWNER_PAUSED, snapshot_id=snapshot_id)
-            return replace(new, doc={**new.doc, "published_at": new.updated_at})
+            return self._swap(cur, sandbox_id, owner=owner, state=OWNER_PAUSED, snapshot_id=snapshot_id,
+                              publish=True)
 
-        return self._cas_loop(sandbox_id, expect, step)  # type: ignore[return-value]
+        return self._cas(sandbox_id, expect, attempt)
 
-    def drop_ownership(self, sandbox_id: str, owner: str, *, expect: Any = _READ) -> bool:
+    def drop_ownership(self, sandbox_id: str, owner: str, *, expect: Expect = _READ) -> bool:
         """Delete the record if ``owner`` owns it (or it is a legacy pointer); False if there is none.
 
         ``OwnershipConflict`` if another node owns it (it is not this node's to delete)."""
-        def step(cur: Optional[Ownership]) -> Optional[Ownership]:
+        def attempt(cur: Optional[Ownership]) -> bool:
             if cur is None:
-                return None
+                return False
             if cur.owner not in ("", owner):
                 raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "delete")
-            return cur
+            self._delete_if(sandbox_record_id(sandbox_id), cur.token)
+            return True
 
-        return self._cas_loop(sandbox_id, expect, step, delete=True) is not None
+        return self._cas(sandbox_id, expect, attempt)
 
-    def _next(self, sandbox_id: str, cur: Optional[Ownership], *, owner: str, state: str,
-              snapshot_id: Optional[str]) -> Ownership:
-        return Ownership(sandbox_id=sandbox_id, owner=owner, state=state,
-                         generation=(cur.generation if cur is not None else 0) + 1, snapshot_id=snapshot_id,
-                         updated_at=time.time(), doc=dict(cur.doc) if cur is not None else {})
+    def _swap(self, cur: Optional[Ownership], sandbox_id: str, *, owner: str, state: OwnerState,
+              snapshot_id: Optional[str], publish: bool = False) -> Ownership:
+        """Replace ``cur`` by its successor if it is still the stored version (``OwnershipChanged`` if not)."""
+        new = Ownership.successor(sandbox_id, cur, owner=owner, state=state, snapshot_id=snapshot_id,
+                                  publish=publish)
+        token = self._put_if(sandbox_record_id(sandbox_id), new.encode(), cur.token if cur is not None else None)
+        return new.with_token(token)
 
-    def _cas_loop(self, sandbox_id: str, expect: Any, step: Any, *, delete: bool = False) -> Optional[Ownership]:
-        mid = sandbox_record_id(sandbox_id)
+    def _cas(self, sandbox_id: str, expect: Expect, attempt: Callable[[Optional[Ownership]], T]) -> T:
+        """Run ``attempt`` on the record (``expect``, or as read now); on a lost race read again and retry,
+        unless the caller gave the version to swap against."""
         for _ in range(CAS_RETRIES):
-            cur = self.get_ownership(sandbox_id) if expect is _READ else expect
-            new = step(cur)
+            cur = self.get_ownership(sandbox_id) if isinstance(expect, _Read) else expect
             try:
-                if delete:
-                    if new is not None:
-                        self._delete_if(mid, new.token)
-                    return new
-                token = self._put_if(mid, encode_manifest(new.to_manifest()), cur.token if cur is not None else None)
-                return replace(new, token=token)
+                return attempt(cur)
             except OwnershipChanged:
-                if expect is not _READ:
+                if not isinstance(expect, _Read):
                     raise
         raise OwnershipChanged(sandbox_id, f"lost {CAS_RETRIES} compare-and-swaps in a row to other writers")
 
@@ -405,7 +371,7 @@ class Repository(abc.ABC):
 
         return collect_garbage(self, grace_s, dry_run=dry_run, stop=stop)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default that does nothing, not an abstract method: optional to override
         """Release connections / descriptors."""
 
     def __enter__(self) -> "Repository":
@@ -418,7 +384,7 @@ class Repository(abc.ABC):
     def commit_snapshot(
         self,
         manifest_id: str,
-        manifest: Mapping[str, Any],
+        manifest: LayerManifest | Mapping[str, Any],
         layer_paths: Mapping[str, str | os.PathLike[str]],
         require: Iterable[str] = (),
     ) -> CommitResult:
@@ -431,7 +397,8 @@ class Repository(abc.ABC):
         for GC) or a complete snapshot.
         """
         check_manifest_id(manifest_id)
-        data = encode_manifest(manifest)  # fail on a bad manifest before uploading anything
+        # fail on a bad manifest before uploading anything
+        data = manifest.encode() if isinstance(manifest, LayerManifest) else encode_manifest(manifest)
         result = CommitResult(manifest_id)
         # Reused layers (already present, or required from parent snapshots) are *touched*, not just checked:
         # that moves their age forward so a garbage collection running meanwhile on any node leaves them

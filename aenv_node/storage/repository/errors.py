@@ -41,7 +41,7 @@ class LayerNotFound(RepositoryError, KeyError):
         super().__init__(f"layer {digest} is not in the repository" + (f" ({where})" if where else ""))
 
     def __str__(self) -> str:  # KeyError would repr() the message
-        return self.args[0]
+        return str(self.args[0])
 
 
 class ManifestNotFound(RepositoryError, KeyError):
@@ -52,7 +52,7 @@ class ManifestNotFound(RepositoryError, KeyError):
         super().__init__(f"manifest {manifest_id!r} is not in the repository" + (f" ({where})" if where else ""))
 
     def __str__(self) -> str:
-        return self.args[0]
+        return str(self.args[0])
 
 
 class DigestMismatch(RepositoryError, ValueError):
@@ -119,14 +119,10 @@ class OwnershipUnsupported(OwnershipError):
     """The backend cannot compare-and-swap (an S3 server that ignores If-None-Match / If-Match), so
     ownership cannot be enforced; the operation is refused rather than done without the guarantee."""
 
-    http_status = 501
-
 
 class OwnershipLost(OwnershipError):
     """This node's copy of a sandbox was published, but the sandbox's record is gone from the repository: it
     was killed on the node that owned it last.  The copy here is stale and is not run."""
-
-    http_status = 404
 
     def __init__(self, sandbox_id: str) -> None:
         self.sandbox_id = sandbox_id

@@ -5,7 +5,8 @@ sandbox's ``sandbox-<id>`` record to it; a kill deletes the record.  Nothing els
 layer, so without this a sandbox paused 1000 times leaves 1000 manifests and every layer it ever had.
 
 **Mark.**  The roots are the ``sandbox-<id>`` records, in any state (``paused``, ``running``, ``deleting``):
-each names its newest snapshot manifest, which names its ``disk_layers`` and ``memory_layers``.  Every
+each names its newest snapshot manifest (ownership.py), which names its ``disk_layers`` and ``memory_layers``
+(``LayerManifest``, manifest.py: the only part of a snapshot manifest read here).  Every
 manifest that is kept (reachable, or too young to judge, see below) has its layers kept too, so nothing kept
 ever names a removed layer.  Records are never removed here; neither are half-written uploads
 (``sweep_incomplete`` owns those).
@@ -54,8 +55,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from .base import check_digest
-from .errors import InvalidName, ManifestNotFound, RepositoryError
+from .errors import ManifestNotFound, RepositoryError
+from .manifest import LayerManifest
+from .ownership import RECORD_PREFIX
 
 if TYPE_CHECKING:
     from .base import Repository
@@ -63,9 +65,6 @@ if TYPE_CHECKING:
 __all__ = ["GcReport", "collect_garbage", "RECORD_PREFIX"]
 
 log = logging.getLogger(__name__)
-
-#: Manifests whose id starts with this are sandbox records (roots; never removed here).
-RECORD_PREFIX = "sandbox-"
 
 
 @dataclass
@@ -101,19 +100,6 @@ class GcReport:
         return d
 
 
-def _layers_of(manifest: dict[str, Any]) -> list[str]:
-    """The digests a snapshot manifest names (persist.py: ``disk_layers`` are objects, ``memory_layers``
-    digests); raises ``ValueError``/``InvalidName`` on a manifest that is not shaped like one."""
-    out: list[str] = []
-    for entry in [*(manifest.get("disk_layers") or ()), *(manifest.get("memory_layers") or ())]:
-        d = entry.get("digest") if isinstance(entry, dict) else entry
-        if not isinstance(d, str):
-            raise ValueError(f"a layer entry without a digest: {entry!r}")
-        check_digest(d)
-        out.append(d)
-    return out
-
-
 def collect_garbage(repo: "Repository", grace_s: float, *, dry_run: bool = False,
                     stop: Optional[threading.Event] = None) -> GcReport:
     """Mark from the ``sandbox-<id>`` records, sweep what is unreachable and older than ``grace_s`` (blocking).
@@ -133,17 +119,17 @@ def collect_garbage(repo: "Repository", grace_s: float, *, dry_run: bool = False
     reachable: set[str] = set()
     for rid in records:
         try:
-            doc = repo.get_manifest(rid)
-        except ManifestNotFound:
-            continue  # killed since the listing
+            rec = repo.get_ownership(rid.removeprefix(RECORD_PREFIX))
         except (ValueError, RepositoryError) as exc:
-            # a record we cannot read might name anything: keep every snapshot manifest this round
+            # a record we cannot read (or of a newer version) might name anything: keep every snapshot
+            # manifest this round
             log.warning("repository gc: cannot read record %s (%s); keeping every manifest this round", rid, exc)
             report.unreadable_manifests.append(rid)
             continue
-        sid = doc.get("snapshot_id") if isinstance(doc, dict) else None
-        if isinstance(sid, str) and sid:
-            reachable.add(sid)
+        if rec is None:
+            continue  # killed since the listing
+        if rec.snapshot_id:
+            reachable.add(rec.snapshot_id)
 
     snapshots = [m for m in manifests if not m.startswith(RECORD_PREFIX)]
     keep_all_manifests = bool(report.unreadable_manifests)
@@ -158,10 +144,10 @@ def collect_garbage(repo: "Repository", grace_s: float, *, dry_run: bool = False
     marked: set[str] = set()
     for mid in kept:
         try:
-            marked.update(_layers_of(repo.get_manifest(mid)))
+            marked.update(repo.read_manifest(mid, LayerManifest).layer_digests())
         except ManifestNotFound:
             continue  # removed by another collection: it was unreachable, its layers need no mark
-        except (ValueError, TypeError, AttributeError, InvalidName, RepositoryError) as exc:
+        except (ValueError, RepositoryError) as exc:
             log.warning("repository gc: cannot read manifest %s (%s); no layer is removed this round", mid, exc)
             report.unreadable_manifests.append(mid)
     report.manifests_kept = len(kept)

@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from ..fileops import fsync_dir
 from .base import (
@@ -62,6 +62,7 @@ from .errors import (
     RepositoryError,
     RepositoryUnavailable,
 )
+from .ownership import RECORD_PREFIX
 
 __all__ = ["PosixFsRepository"]
 
@@ -104,7 +105,8 @@ class PosixFsRepository(Repository):
         if self.durable:
             fsync_dir(final.parent)
 
-    def _write_atomic(self, final: Path, chunks, stem: str, check=None) -> None:  # type: ignore[no-untyped-def]
+    def _write_atomic(self, final: Path, chunks: Iterable[bytes | bytearray | memoryview], stem: str,
+                      check: Callable[[], None] | None = None) -> None:
         """Write ``chunks`` to ``final`` atomically; ``check()`` runs after the data is written, before publish."""
         directory = final.parent
         if not directory.is_dir():
@@ -158,7 +160,7 @@ class PosixFsRepository(Repository):
             raise RepositoryError(f"cannot store layer {digest} from {os.fspath(path)} in {self.root}: {e}") from e
         h = hashlib.sha256()
 
-        def hashed():  # type: ignore[no-untyped-def]
+        def hashed() -> Iterator[bytes]:
             for b in iter_file(path, READ_CHUNK):
                 h.update(b)
                 yield b
@@ -381,7 +383,7 @@ class PosixFsRepository(Repository):
         got = self._get_versioned(manifest_id)
         token = got[1] if got is not None else None
         if token != expect_token:
-            raise OwnershipChanged(manifest_id.removeprefix("sandbox-"),
+            raise OwnershipChanged(manifest_id.removeprefix(RECORD_PREFIX),
                                    "it was created meanwhile" if expect_token is None else
                                    "it was removed meanwhile" if token is None else "it was rewritten meanwhile")
 

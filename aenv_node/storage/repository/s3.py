@@ -39,20 +39,17 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, TypeVar
 
 import boto3
 import botocore.config
 import botocore.exceptions
 
 from .base import (
-    OWNER_DELETING,
     READ_CHUNK,
     ObjectInfo,
     Repository,
     check_digest,
-    decode_manifest,
-    encode_manifest,
     iter_file,
     layer_key,
     manifest_key,
@@ -66,6 +63,10 @@ from .errors import (
     RepositoryError,
     RepositoryUnavailable,
 )
+from .ownership import RECORD_PREFIX, Ownership
+
+if TYPE_CHECKING:  # boto3-stubs (the test extra): types only, nothing at run time
+    from mypy_boto3_s3.type_defs import HeadObjectOutputTypeDef, MultipartUploadTypeDef
 
 __all__ = ["S3Repository", "MIN_PART_SIZE"]
 
@@ -100,12 +101,12 @@ class S3Repository(Repository):
         multipart_threshold: int = 64 * 1024 * 1024,
         part_size: int = 16 * 1024 * 1024,
         upload_concurrency: int = 4,
-        retry_mode: str = "standard",
+        retry_mode: Literal["standard", "adaptive", "legacy"] = "standard",
         max_attempts: int = 5,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
         max_pool_connections: int = 32,
-        addressing_style: str = "path",
+        addressing_style: Literal["path", "virtual", "auto"] = "path",
         conditional_writes: Optional[bool] = None,
     ) -> None:
         if not bucket:
@@ -177,7 +178,7 @@ class S3Repository(Repository):
     def _layer_key(self, digest: str) -> str:
         return self.prefix + layer_key(digest)
 
-    def _head(self, key: str) -> dict[str, Any] | None:
+    def _head(self, key: str) -> HeadObjectOutputTypeDef | None:
         try:
             return self._call("head", self.client.head_object, Key=key)
         except botocore.exceptions.ClientError as e:
@@ -221,7 +222,8 @@ class S3Repository(Repository):
             self._multipart(key, digest, source, head, chunks, h)
         return layer_key(digest)
 
-    def _multipart(self, key: str, digest: str, source: str, head: bytearray, rest, h) -> None:  # type: ignore[no-untyped-def]
+    def _multipart(self, key: str, digest: str, source: str, head: bytearray, rest: Iterator[bytes],
+                   h: hashlib._Hash) -> None:
         upload_id = self._call("start multipart upload", self.client.create_multipart_upload, Key=key)["UploadId"]
         try:
             parts: dict[int, str] = {}
@@ -232,7 +234,7 @@ class S3Repository(Repository):
                 )
                 parts[number] = r["ETag"]
 
-            def blocks():  # type: ignore[no-untyped-def]
+            def blocks() -> Iterator[bytes]:
                 buf = head
                 for b in rest:
                     h.update(b)
@@ -474,22 +476,22 @@ class S3Repository(Repository):
     def _put_if(self, manifest_id: str, data: bytes, expect_token: Optional[str]) -> str:
         self.require_conditional_writes()
         cond = {"IfNoneMatch": "*"} if expect_token is None else {"IfMatch": expect_token}
-        r = self._conditional("put ownership record", self.client.put_object, manifest_id.removeprefix("sandbox-"),
-                              Key=self.prefix + manifest_key(manifest_id), Body=data,
-                              ContentType="application/json", **cond)
+        r = self._conditional("put ownership record", self.client.put_object,
+                              manifest_id.removeprefix(RECORD_PREFIX), Key=self.prefix + manifest_key(manifest_id),
+                              Body=data, ContentType="application/json", **cond)
         return str(r["ETag"])
 
     def _delete_if(self, manifest_id: str, expect_token: str) -> None:
         self.require_conditional_writes()
         key = self.prefix + manifest_key(manifest_id)
-        sid = manifest_id.removeprefix("sandbox-")
+        sid = manifest_id.removeprefix(RECORD_PREFIX)
         if not self.conditional_deletes:
             # fence: from here on nobody else can claim it (and our delete removes only our fence)
             got = self._get_versioned(manifest_id)
             if got is None or got[1] != expect_token:
                 raise OwnershipChanged(sid, "it changed before the delete")
-            doc = {**decode_manifest(got[0]), "state": OWNER_DELETING}
-            expect_token = self._put_if(manifest_id, encode_manifest(doc), expect_token)
+            fence = Ownership.parse(sid, *got).fenced()
+            expect_token = self._put_if(manifest_id, fence.encode(), expect_token)
             self._call("delete ownership record", self.client.delete_object, Key=key)
             return
         self._conditional("delete ownership record", self.client.delete_object, sid, Key=key, IfMatch=expect_token)
@@ -547,9 +549,9 @@ class S3Repository(Repository):
                 pass
 
     # -- housekeeping -------------------------------------------------------------------------------------
-    def pending_uploads(self) -> list[dict[str, Any]]:
+    def pending_uploads(self) -> list[MultipartUploadTypeDef]:
         """Multipart uploads started under this prefix and neither completed nor aborted."""
-        out: list[dict[str, Any]] = []
+        out: list[MultipartUploadTypeDef] = []
         pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix)
         try:
             for page in pages:
