@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from aenv_node.images import ENVD_PORT, ENVD_READY_MARKER, ensure_base_rootfs, ensure_kit
+from aenv_node.images.cmdline import host_tsc_khz, kernel_cmdline
 from aenv_node.images.cpio import CharDevice, write_newc
-from aenv_node.images.kit import host_tsc_khz, kernel_cmdline
 
 FLOOR_MARKER = "aenv-floor: init reached"
 GUEST_IP = "169.254.0.21"

@@ -4,7 +4,9 @@ Builders are blocking and content-hash cached under the node's state directory; 
 """
 
 from .errors import ImageError, KernelImageError, KitBuildError, PackageError, RootfsBuildError, ToolMissingError
-from .kit import ENVD_PORT, ENVD_READY_MARKER, Kit, KitSpec, ensure_kit, host_tsc_khz, kernel_cmdline
+from .cmdline import host_tsc_khz, kernel_cmdline
+from .kit import ENVD_PORT, ENVD_READY_MARKER, Kit, ensure_kit
+from .kit_spec import KitSpec
 from .rootfs import RootfsSpec, ensure_base_rootfs, ensure_rootfs
 
 __all__ = [

@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ class RootfsSpec:
 def rootfs_hash(spec: RootfsSpec) -> str:
     h = cache.InputHasher("aenv-rootfs")
     h.add_text("spec", json.dumps(dataclasses.asdict(spec), sort_keys=True))
-    h.add_text("code/rootfs.py", inspect.getsource(inspect.getmodule(rootfs_hash)))  # type: ignore[arg-type]
+    h.add_text("code/rootfs.py", inspect.getsource(sys.modules[rootfs_hash.__module__]))
     h.add_text("code/cache.py", inspect.getsource(cache))
     return h.hexdigest()
 
