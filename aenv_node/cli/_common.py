@@ -6,7 +6,7 @@ import functools
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 import click
 
@@ -57,7 +57,7 @@ def one_line_errors(fn: F) -> F:
                 raise click.ClickException(str(exc)) from None
             raise
 
-    return wrapper  # type: ignore[return-value]
+    return cast(F, wrapper)
 
 
 def setup_logging(level: str) -> None:

@@ -82,11 +82,8 @@ class VmmSection:
     accel: str = "auto"
     qemu_binary: str = "qemu-system-x86_64"
     firecracker_binary: str = "/opt/aenv/bin/firecracker"
-    jailer_binary: str = "/opt/aenv/bin/jailer"
-    use_jailer: bool = False
     tcg_tb_size_mb: int = 64
     tcg_tb_size_restore_mb: int = 16
-    guest_kernel: str = ""
     ksm: bool = False
     free_page_reporting: bool = True
 
@@ -209,7 +206,12 @@ class Config:
 
 
 def _section_types() -> dict[str, type]:
-    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+    out: dict[str, type] = {}
+    for f in dataclasses.fields(Config):
+        if not isinstance(f.default_factory, type):  # every section is a dataclass field with default_factory
+            raise TypeError(f"config section {f.name} has no section class as its default_factory")
+        out[f.name] = f.default_factory
+    return out
 
 
 def _coerce(section: str, key: str, ftype: Any, value: Any, origin: str) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__envd_version__ = "0.6.4"
+from .version import __envd_version__
 
 __all__ = ["__envd_version__", "EnvdConfig", "serve"]
 

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="store_true", help="print the envd version and exit")
     args = parser.parse_args(argv)
 
-    from . import __envd_version__
+    from .version import __envd_version__
 
     if args.version:
         print(__envd_version__)

@@ -20,7 +20,7 @@ import re
 import time
 from typing import Any
 
-from . import __envd_version__
+from .version import __envd_version__
 from .errors import HttpError
 from .http import Request
 from .metrics import Metrics

@@ -110,7 +110,7 @@ class FilesApi:
             start, end = 0, st.st_size
             status = 200
             rng = _parse_range(request.headers.get("range"), st.st_size)
-            if rng == "invalid":
+            if isinstance(rng, str):  # "invalid"
                 await request.respond(416, [("content-range", f"bytes */{st.st_size}")])
                 return
             if rng is not None:

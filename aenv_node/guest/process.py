@@ -193,16 +193,17 @@ class ManagedProcess:
                 await proc.wait()
         finally:
             with trio.CancelScope(shield=True):
-                if proc.returncode is None:
+                rc = proc.returncode
+                if rc is None:
                     proc.kill()
-                    await proc.wait()
+                    rc = await proc.wait()
                 for stream in (self._pty, proc.stdin, proc.stdout, proc.stderr):
                     if stream is not None:
                         try:
                             await stream.aclose()
                         except Exception:  # already closed / broken: nothing to free
                             pass
-                self.end = end_event(proc.returncode)
+                self.end = end_event(rc)
                 on_done(self)
             try:  # not shielded: a stuck client must not hold up envd's shutdown
                 await self._broadcast({"end": self.end})

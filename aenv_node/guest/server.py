@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from . import __envd_version__
+from .version import __envd_version__
 from .connect import Method, serve_call
 from .control import ControlApi
 from .errors import ConnectError

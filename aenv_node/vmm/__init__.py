@@ -8,14 +8,12 @@ this package needs to know which VMM runs a VM.
 from . import memfile
 from .accel import AccelInfo, detect_accel
 from .driver import (
-    PAGE_SIZE,
     Accel,
     BalloonConfig,
     CaptureKind,
     CaptureResult,
     Drive,
     MemoryMode,
-    MemoryRange,
     NetIf,
     SnapshotFiles,
     SnapshotFormat,
@@ -25,6 +23,7 @@ from .driver import (
     VmState,
     VmStats,
 )
+from .memory import PAGE_SIZE, MemoryRange
 from .errors import (
     BalloonNotAllowed,
     SnapshotError,

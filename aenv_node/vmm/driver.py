@@ -29,9 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import VmmConfigError
+import trio
 
-PAGE_SIZE = 4096
+from . import pagemap
+from .errors import UnsupportedOperation, VmmConfigError
+from .memory import MemoryRange
+from .process import proc_cpu_seconds, proc_memory
+
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
 
@@ -171,18 +175,6 @@ class VmConfig:
 
 
 @dataclass(frozen=True)
-class MemoryRange:
-    """A byte range of guest memory (page aligned), as an offset into the memory image."""
-
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
-
-@dataclass(frozen=True)
 class SnapshotFiles:
     """What a restore needs: device state, a complete memory image (mapped copy-on-write), their format."""
 
@@ -276,10 +268,6 @@ class Vm(ABC):
         """
         if self.restored_from is None:
             return (MemoryRange(0, self.config.mem_bytes),)
-        import trio
-
-        from . import pagemap
-
         return await trio.to_thread.run_sync(pagemap.dirty_ranges, self.pid, self.restored_from.memory)
 
     @abstractmethod
@@ -287,8 +275,6 @@ class Vm(ABC):
         """Set how much memory the balloon takes from the guest (needs `VmConfig.balloon`)."""
 
     def _check_balloon_amount(self, amount_mib: int) -> None:
-        from .errors import UnsupportedOperation
-
         if self.config.balloon is None:
             raise UnsupportedOperation("this VM has no balloon device: set VmConfig.balloon at boot")
         if not 0 <= amount_mib < self.config.mem_mib:
@@ -302,8 +288,6 @@ class Vm(ABC):
 
     def _process_stats(self, vmm: dict[str, Any]) -> VmStats:
         """Stats every VMM shares (process memory and CPU) plus the VMM's own ``vmm`` fields."""
-        from .process import proc_cpu_seconds, proc_memory
-
         rss, pss = proc_memory(self.pid)
         return VmStats(
             pid=self.pid,

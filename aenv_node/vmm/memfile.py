@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .driver import MemoryRange
+from .memory import MemoryRange
 
 _FICLONE = 0x40049409  # _IOW(0x94, 9, int)
 _CHUNK = 8 << 20

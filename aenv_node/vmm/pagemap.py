@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .driver import PAGE_SIZE, MemoryRange
+from .memory import PAGE_SIZE, MemoryRange
 from .errors import SnapshotError
 
 _PRESENT = np.uint64(1 << 63)

@@ -1,4 +1,5 @@
-# The project's virtualenv with the package installed editable (plus test extras).
+# The project's virtualenv with the package installed editable, plus the test extra (pytest, and the static
+# checks `scripts/dev test` runs first: ruff, mypy and the type stubs mypy needs).
 PY="${AENV_PYTHON:-$(command -v python3.11 || command -v python3)}"
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating venv at $VENV with $PY"
@@ -7,7 +8,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.aenv-installed"
 hash="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$hash" ]; then
+# re-installed when pyproject.toml changes, or when a tool `scripts/dev test` runs is missing
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$hash" ] || [ ! -x "$VENV/bin/ruff" ] || [ ! -x "$VENV/bin/mypy" ]; then
     log "pip install -e .[test]"
     "$VENV/bin/pip" install -q -e "$ROOT[test]"
     echo "$hash" > "$stamp"

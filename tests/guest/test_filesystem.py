@@ -129,7 +129,7 @@ def test_watch_dir_stream(envd: EnvdProcess, workdir: str) -> None:
         with envd.client() as c, c.stream("POST", "/" + FS + "WatchDir", content=envelope(
                 {"path": workdir, "recursive": True, "includeEntry": True}),
                 headers={"content-type": "application/connect+json", "keepalive-ping-interval": "0.3"}) as response:
-            for flags, msg in iter_envelopes(response):
+            for _flags, msg in iter_envelopes(response):
                 if "start" in msg:
                     ready.set()
                     continue

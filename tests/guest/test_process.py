@@ -294,7 +294,7 @@ def test_pty_start_input_resize(envd: EnvdProcess) -> None:
         events = iter_envelopes(response)
         pid = next(events)[1]["event"]["start"]["pid"]
         out = b""
-        for flags, msg in events:
+        for _flags, msg in events:
             out += base64.b64decode(msg["event"].get("data", {}).get("pty", ""))
             if b"istty" in out:
                 break

@@ -36,10 +36,10 @@ from typing import Any
 import trio
 
 from .. import memfile
+from ..memory import MemoryRange
 from ..driver import (
     CaptureKind,
     CaptureResult,
-    MemoryRange,
     SnapshotFiles,
     SnapshotFormat,
     Vm,

@@ -49,12 +49,12 @@ from typing import Any
 import trio
 
 from .. import memfile, pagemap, seccomp
+from ..memory import MemoryRange
 from ..driver import (
     Accel,
     CaptureKind,
     CaptureResult,
     MemoryMode,
-    MemoryRange,
     SnapshotFiles,
     SnapshotFormat,
     Vm,
@@ -447,18 +447,17 @@ class QemuVm(Vm):
                 vmstate.unlink(missing_ok=True)
             used_buffer = None
             if self.restored_from is None:
-                result = await self._capture_booted(vmstate, memory, kind)
+                fmt, dirty = await self._capture_booted(vmstate, memory, kind)
             else:
-                result = await self._capture_restored(vmstate, memory, kind, buffer)
-                used_buffer = result[2]
+                fmt, dirty, used_buffer = await self._capture_restored(vmstate, memory, kind, buffer)
             return CaptureResult(
                 vmm="qemu",
                 kind=kind,
-                format=result[0],
+                format=fmt,
                 vmstate=vmstate,
                 memory=memory,
                 mem_size=self.config.mem_bytes,
-                dirty_ranges=result[1],
+                dirty_ranges=dirty,
                 duration_s=time.perf_counter() - t0,
                 buffer=used_buffer,
             )
