@@ -59,17 +59,18 @@ def snapshot_files(state_dir: Path, snapshot_id: str) -> dict[str, Any]:
     """A snapshot as the node recorded it: vmstate, memory image, format, shape, disk layers."""
     con = _connect(state_dir)
     try:
-        row = con.execute("SELECT config, vmstate_location FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
+        row = con.execute("SELECT config, vmstate_location, vmstate_format, memory_location FROM snapshots WHERE id = ?",
+                          (snapshot_id,)).fetchone()
         if row is None:
             raise RuntimeError(f"snapshot {snapshot_id} not recorded in {state_dir}")
         layers = con.execute(
-            "SELECT l.location, l.virtual_size_bytes FROM snapshot_layers sl JOIN layers l"
+            "SELECT l.local_path, l.virtual_size_bytes FROM snapshot_layers sl JOIN layers l"
             " ON l.digest = sl.layer_digest WHERE sl.snapshot_id = ? AND sl.kind = 'disk' ORDER BY sl.position",
             (snapshot_id,)).fetchall()
     finally:
         con.close()
     cfg = json.loads(row[0]) if isinstance(row[0], str) else row[0]
-    return {"id": snapshot_id, "shape": cfg["shape"], "format": cfg["format"], "memory": cfg["memory"],
+    return {"id": snapshot_id, "shape": cfg["shape"], "format": row[2], "memory": row[3],
             "vmstate": row[1], "disk_layers": [loc for loc, _ in layers],
             "disk_size": max(v or 0 for _, v in layers)}  # fmt: skip
 

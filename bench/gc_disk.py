@@ -1,4 +1,4 @@
-"""Local disk use of a sandbox paused and resumed N times, with the garbage collector (runtime/gc.py).
+"""Local disk use of a sandbox paused and resumed N times, with the garbage collector (snapshot/gc.py).
 
 A real node (bench/_node.py, fresh state directory, the `base` template: 512 MiB guest under QEMU TCG) runs
 one sandbox with a background writer (a 16 MiB file rewritten from /dev/urandom each cycle, and a counter).
@@ -37,7 +37,7 @@ WRITER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /home/user/c
 
 def allocated(path: Path) -> int:
     total = 0
-    for root, dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):
         for n in files:
             try:
                 total += os.lstat(os.path.join(root, n)).st_blocks * 512
@@ -87,7 +87,7 @@ def main() -> None:
         snap = node.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
         time.sleep(2)
         keep = {Path(loc) for (loc,) in node.sql(
-            "SELECT l.location FROM snapshot_layers sl JOIN layers l ON l.digest = sl.layer_digest "
+            "SELECT l.local_path FROM snapshot_layers sl JOIN layers l ON l.digest = sl.layer_digest "
             f"WHERE sl.snapshot_id = '{snap}' OR sl.snapshot_id IN (SELECT boot_snapshot_id FROM templates)")}
         tmpl = [s for (s,) in node.sql("SELECT boot_snapshot_id FROM templates")]
         floor = sum(os.lstat(p).st_blocks * 512 for p in keep if p.exists()) + \

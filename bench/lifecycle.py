@@ -10,7 +10,7 @@ guest under QEMU TCG here, 512 MiB). Measured through the SDK, each call timed o
               from /dev/urandom, a Python loop touching every page of a 200 MiB bytearray): H x pause/resume,
               H x snapshot, each after --heavy-settle seconds of writing.
   per capture the node's own record: `events` rows 'snapshot_commit' (detail: dirty_bytes, paused_ms = how long
-              the guest's vCPUs were stopped) and `snapshots.config.dirty_bytes`. A capture saves the pages
+              the guest's vCPUs were stopped) and `snapshots.dirty_bytes`. A capture saves the pages
               written since the VM's last *restore* (create/resume), so successive snapshots of one running
               sandbox grow.
   fork        a fresh idle parent, `sandbox.fork(count=N)` for each N in --forks: total latency, per child
@@ -157,8 +157,8 @@ def last_commit(node: BenchNode, sid: str, kind: str) -> dict[str, Any]:
 
 
 def snapshot_dirty(node: BenchNode, snapshot_id: str) -> int | None:
-    rows = node.sql("SELECT config FROM snapshots WHERE id = ?", (snapshot_id,))
-    return _json(rows[0][0]).get("dirty_bytes") if rows else None
+    rows = node.sql("SELECT dirty_bytes FROM snapshots WHERE id = ?", (snapshot_id,))
+    return rows[0][0] if rows else None
 
 
 def last_transition(node: BenchNode, sid: str, operation: str, to_state: str) -> dict[str, Any]:
@@ -322,14 +322,14 @@ def density(node: BenchNode, children: list[Any], mem_mib: int, settle_s: float,
             avail_before: int) -> dict[str, Any]:
     time.sleep(settle_s)
     ids = [node_sid(c.sandbox_id) for c in children]
-    rows = node.sql("SELECT s.id, s.vmm_pid, sn.config FROM sandboxes s JOIN snapshots sn ON sn.id = s.snapshot_id"
+    rows = node.sql("SELECT s.id, s.vmm_pid, sn.memory_location FROM sandboxes s JOIN snapshots sn ON sn.id = s.snapshot_id"
                     " WHERE s.id IN (%s)" % ",".join("?" * len(ids)), tuple(ids))
     per = []
-    for sid, pid, config in rows:
+    for sid, pid, memory in rows:
         if not pid:
             continue
         try:
-            per.append({"sandbox_id": sid, "pid": pid, **pss_breakdown(pid, _json(config)["memory"])})
+            per.append({"sandbox_id": sid, "pid": pid, **pss_breakdown(pid, memory)})
         except OSError as e:
             per.append({"sandbox_id": sid, "pid": pid, "error": str(e)})
     ok = [p for p in per if "error" not in p]

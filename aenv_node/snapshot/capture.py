@@ -35,37 +35,35 @@ import shutil
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import trio
 
-from ..state import Database, Layer, Snapshot, SnapshotLayer, utcnow
-from ..state.repository import record_event
-from ..storage.layer import LayerInfo, LayerWriter
-from ..vmm import CaptureKind, CaptureResult, Vm, VmState
-from ..vmm import memfile
-from ..vmm.capture_buffer import CaptureBuffer, CaptureBufferPool
-from .machine import MachineShape
-from .templates import layer_digest, new_id, reference_layer
+from sqlalchemy.orm import Session
 
-__all__ = ["SnapshotSource", "CaptureOutcome", "capture_running"]
+from ..state import (
+    Database,
+    EventSubject,
+    LayerKind,
+    Snapshot,
+    SnapshotConfig,
+    SnapshotKind,
+    SnapshotStatus,
+    new_id,
+    utcnow,
+)
+from ..state.repository import record_event
+from ..storage import Image, LayerInfo, LayerRef, LayerWriter
+from ..vmm import CaptureKind, CaptureResult, Vm, VmState, memfile
+from ..vmm.capture_buffer import CaptureBuffer, CaptureBufferPool
+from .layers import layer_digest, record_stack, reference_layer
+from .source import SnapshotSource
+
+__all__ = ["CaptureOutcome", "capture_running"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SnapshotSource:
-    """What a running sandbox was restored from (the base of its next diff)."""
-
-    snapshot_id: str
-    memory: Path  # the flat memory image the VM maps copy-on-write
-    memory_layers: list[str]  # digests, bottom first, over memory_base
-    memory_base: str  # the flat image at the bottom of the memory chain (a template's RAM file)
-    shape: MachineShape
-    template_id: str
-    disk_layers: list[Path] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ class CaptureOutcome:
     snapshot_id: str
     vmstate: Path
     memory: Path
-    disk_layers: tuple[Path, ...]
+    disk_layers: tuple[LayerRef, ...]
     dirty_bytes: int
     paused_ms: float  # how long the guest's vCPUs were stopped
     total_ms: float
@@ -116,10 +114,10 @@ async def capture_running(
     *,
     db: Database,
     vm: Vm,
-    image: Any,  # storage.Image
+    image: Image,
     sandbox_id: str,
     source: SnapshotSource,
-    kind: str,
+    kind: SnapshotKind,
     keep_running: bool,
     layers_dir: Path,
     snapshots_dir: Path,
@@ -179,41 +177,28 @@ async def capture_running(
             steps["persist_ms"] = (time.monotonic() - t1) * 1000
             sealed, mem_layer = done["seal"], done["memory_layer"]
             diff.unlink(missing_ok=True)
-        disk_layers = tuple(source.disk_layers) + (Path(sealed.path),)  # entries: Path or "repo:<digest>"
+        disk_layers = tuple(source.disk_layers) + (LayerRef.local(sealed.path, layer_digest(sealed)),)
+        memory_layers = source.memory_layers + [layer_digest(mem_layer)]
 
-        def commit(s) -> None:  # type: ignore[no-untyped-def]
-            reference_layer(s, sealed, "disk")
-            reference_layer(s, mem_layer, "memory")
+        def commit(s: Session) -> None:
+            reference_layer(s, sealed, LayerKind.DISK)
+            reference_layer(s, mem_layer, LayerKind.MEMORY)
             s.add(Snapshot(
-                id=snapshot_id, kind=kind, status="committed", name=name,
+                id=snapshot_id, kind=kind, status=SnapshotStatus.COMMITTED, name=name,
                 parent_id=source.snapshot_id, source_sandbox_id=sandbox_id,
                 template_id=source.template_id, vmm=cap.vmm,
-                vmstate_location=str(cap.vmstate),
-                config={"shape": source.shape.to_json(), "format": cap.format.value,
-                        "memory": str(snap_dir / "memory"),
-                        "memory_base": source.memory_base,
-                        "memory_layers": source.memory_layers + [layer_digest(mem_layer)],
-                        "access_token": access_token, "env_vars": env_vars,
-                        "dirty_bytes": cap.dirty_bytes},
+                vmstate_location=str(cap.vmstate), vmstate_format=cap.format.value,
+                memory_location=str(snap_dir / "memory"), memory_base_location=source.memory_base or None,
+                dirty_bytes=cap.dirty_bytes,
+                config=SnapshotConfig(shape=source.shape, access_token=access_token, env_vars=env_vars),
                 memory_mb=source.shape.mem_mib, committed_at=utcnow(),
             ))
             s.flush()
-            for pos, path in enumerate(disk_layers):
-                if isinstance(path, str) and path.startswith("repo:"):
-                    digest = path[len("repo:"):]  # recorded when the snapshot was imported
-                else:
-                    digest = "sha256:" + Path(path).name.split(".")[0]
-                if s.get(Layer, digest) is None:  # layers from before this node recorded them
-                    s.add(Layer(digest=digest, kind="disk", size_bytes=Path(path).stat().st_size,
-                                location=str(path), refcount=0))
-                    s.flush()
-                s.add(SnapshotLayer(snapshot_id=snapshot_id, kind="disk", position=pos, layer_digest=digest))
-            for pos, digest in enumerate(source.memory_layers + [layer_digest(mem_layer)]):
-                s.add(SnapshotLayer(snapshot_id=snapshot_id, kind="memory", position=pos, layer_digest=digest))
-            record_event(s, "snapshot_commit", sandbox_id=sandbox_id, subject="snapshot",
-                         subject_id=snapshot_id, to_state="committed",
+            record_stack(s, snapshot_id, disk_layers, memory_layers)
+            record_event(s, "snapshot_commit", sandbox_id=sandbox_id, subject=EventSubject.SNAPSHOT,
+                         subject_id=snapshot_id, to_state=SnapshotStatus.COMMITTED,
                          duration_ms=(time.monotonic() - t0) * 1000,
-                         detail={"kind": kind, "dirty_bytes": cap.dirty_bytes,
+                         detail={"kind": kind.value, "dirty_bytes": cap.dirty_bytes,
                                  "paused_ms": round(paused_ms, 1), "parent_id": source.snapshot_id,
                                  **{k: round(v, 1) for k, v in steps.items()}})
 

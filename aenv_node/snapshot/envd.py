@@ -16,9 +16,10 @@ from typing import Mapping
 import httpx
 import trio
 
-__all__ = ["ENVD_PORT", "EnvdUnavailable", "wait_envd", "init_envd"]
+from ..images import ENVD_PORT  # the guest kit starts envd on that port: one definition
 
-ENVD_PORT = 49983
+__all__ = ["ENVD_PORT", "EnvdUnavailable", "wait_envd", "init_envd", "envd_metrics"]
+
 
 
 class EnvdUnavailable(Exception):
@@ -86,3 +87,16 @@ async def init_envd(
                 raise EnvdUnavailable(f"envd /init at {host} failed: {exc}") from exc
     if r.status_code >= 300:
         raise EnvdUnavailable(f"envd /init at {host} answered {r.status_code}: {r.text[:200]}")
+
+
+async def envd_metrics(host: str, *, access_token: str | None, timeout: float = 10.0) -> dict[str, object]:
+    """envd's ``/metrics`` document (CPU, memory and disk use of the guest)."""
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        try:
+            r = await client.get(_url(host, "/metrics"), headers={"X-Access-Token": access_token or ""})
+            doc = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise EnvdUnavailable(f"envd at {host} did not answer /metrics: {exc}") from None
+    if not isinstance(doc, dict):
+        raise EnvdUnavailable(f"envd at {host} answered /metrics with {type(doc).__name__}, not an object")
+    return doc

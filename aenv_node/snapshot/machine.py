@@ -9,44 +9,23 @@ server second, so the guest never sees its disk vanish under it.
 
 The VM shape (vcpus, memory, devices in order, MAC, kernel command line) must
 be identical between the boot that captured a snapshot and every restore of
-it: ``MachineShape`` is stored with the snapshot and handed back here.
+it: ``MachineShape`` (``state/records.py``) is stored with the snapshot and handed back here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from ..net import Slot
+from ..state import MachineShape
+from ..storage import BlockDevice
 from ..storage.frontends.nbd import NbdServer, serve_nbd
 from ..vmm import Accel, BalloonConfig, Drive, MemoryMode, NetIf, SnapshotFiles, Vm, VmConfig, VmmDriver
 
-__all__ = ["MachineShape", "Machine", "open_machine"]
-
-
-@dataclass(frozen=True)
-class MachineShape:
-    """What must not change between a capture and its restores."""
-
-    vcpus: int
-    mem_mib: int
-    kernel: str
-    initrd: str
-    cmdline: str
-    tools_img: str
-    accel: str
-    #: a virtio-balloon with free page reporting: device state differs, so boot and restores must agree
-    free_page_reporting: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "MachineShape":
-        """Fields a shape stored before they existed take their defaults."""
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+__all__ = ["Machine", "open_machine"]
 
 
 @dataclass
@@ -62,7 +41,7 @@ async def open_machine(
     driver: VmmDriver,
     shape: MachineShape,
     *,
-    disk: Any,  # a storage BlockDevice (the image over the template's layers + this machine's upper)
+    disk: BlockDevice,  # the image over the template's layers + this machine's upper
     slot: Slot,
     workdir: Path,
     run_dir: Path,

@@ -38,7 +38,7 @@ def _sha256(path: Path) -> str:
 def test_freed_guest_memory_returns_to_the_host_and_the_shared_image_is_untouched(sdk_env) -> None:
     node = sdk_env
     image_path = Path(node.sql(
-        "select json_extract(s.config, '$.memory') from templates t join snapshots s "
+        "select s.memory_location from templates t join snapshots s "
         "on s.id = t.boot_snapshot_id where t.id = 'base'")[0][0])
     assert node.sql("select json_extract(s.config, '$.shape.free_page_reporting') from templates t "
                     "join snapshots s on s.id = t.boot_snapshot_id where t.id = 'base'")[0][0] == 1
@@ -76,7 +76,7 @@ def test_freed_guest_memory_returns_to_the_host_and_the_shared_image_is_untouche
         assert a.files.read("/home/user/after") == "kept"
         # freed pages no longer count as dirty: the pause captures far less than the guest wrote
         a.pause()
-        dirty = node.sql(f"select json_extract(config, '$.dirty_bytes') from snapshots "
+        dirty = node.sql(f"select dirty_bytes from snapshots "
                          f"where source_sandbox_id = '{a.sandbox_id}' order by created_at desc limit 1")[0][0]
         assert dirty < (FILL_MIB << 20) // 2, dirty
         a = Sandbox.connect(a.sandbox_id)

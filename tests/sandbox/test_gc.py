@@ -1,5 +1,5 @@
 """Local garbage collection: superseded snapshots and unreferenced layers leave the disk, through
-the unmodified E2B SDK against a real node (runtime/gc.py)."""
+the unmodified E2B SDK against a real node (snapshot/gc.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from e2b import Sandbox
 from sqlalchemy import text
 
-from aenv_node.runtime.gc import REACHABLE_CTE, GarbageCollector, LiveStack
+from aenv_node.snapshot.gc import REACHABLE_CTE, GarbageCollector, LiveStack
 from aenv_node.state import Database, Layer, Snapshot, SnapshotLayer, Template, utcnow
 from aenv_node.state import Sandbox as SandboxRow
 
@@ -36,8 +36,8 @@ def _status(node: NodeProcess, snap: str) -> str:
 
 def _stack(node: NodeProcess, snap: str) -> dict[str, Path]:
     """digest -> local file of every layer (disk and memory) a snapshot stacks."""
-    rows = node.sql("SELECT l.digest, l.location FROM snapshot_layers sl JOIN layers l ON l.digest = sl.layer_digest "
-                    f"WHERE sl.snapshot_id = '{snap}' AND l.location NOT LIKE 'repo:%'")
+    rows = node.sql("SELECT l.digest, l.local_path FROM snapshot_layers sl JOIN layers l ON l.digest = sl.layer_digest "
+                    f"WHERE sl.snapshot_id = '{snap}' AND l.local_path IS NOT NULL")
     return {d: Path(loc) for d, loc in rows}
 
 
@@ -143,7 +143,7 @@ def test_deleted_snapshot_outlives_its_last_sandbox_only(sdk_env) -> None:
         _collected(node, snap)
         assert snap not in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
         # the layer sealed from the parent's disk at the snapshot: still under the running parent
-        files = dict(node.sql("SELECT digest, location FROM layers"))
+        files = dict(node.sql("SELECT digest, local_path FROM layers"))
         assert parent_layers and all(Path(files[d]).exists() for d in parent_layers)
         assert parent.files.read("/home/user/state.txt") == "snapshotted"
         parent.kill()
@@ -178,7 +178,7 @@ def test_killing_a_paused_sandbox_removes_its_files(sdk_env) -> None:
     assert set(own) <= set(event["layers"]) and "kill" in event["reason"]
     # the template is untouched
     assert all(Path(loc).exists() for (loc,) in node.sql(
-        "SELECT l.location FROM snapshot_layers sl JOIN layers l ON l.digest = sl.layer_digest "
+        "SELECT l.local_path FROM snapshot_layers sl JOIN layers l ON l.digest = sl.layer_digest "
         "JOIN templates t ON t.boot_snapshot_id = sl.snapshot_id WHERE t.kind = 'template'"))
 
 
@@ -199,7 +199,7 @@ def test_compaction_removes_the_layers_it_replaced(sdk_env) -> None:
                                           f"'{snaps[1]}' AND kind = 'disk' ORDER BY position")]
         replaced = [d for d in p2_disk if d not in _stack_of_template(node)]
         assert len(p2_disk) == 4 and len(replaced) == 2  # the first two pauses' disk layers
-        files = dict(node.sql("SELECT digest, location FROM layers"))
+        files = dict(node.sql("SELECT digest, local_path FROM layers"))
         _wait(lambda: node.sql(f"SELECT 1 FROM events WHERE operation = 'compact' AND subject_id = '{snaps[2]}'"),
               "compaction", node)
         _wait(lambda: all(not Path(files[d]).exists() for d in replaced), "replaced layers removed", node)
@@ -283,7 +283,7 @@ class _World:
         path = self.layers / f"{digest[7:]}.layer"
         path.write_bytes(b"L" * 8192)
         with self.db.session() as s:
-            s.add(Layer(digest=digest, kind=kind, size_bytes=8192, location=str(path), refcount=0))
+            s.add(Layer(digest=digest, kind=kind, size_bytes=8192, local_path=str(path), refcount=0))
         return digest
 
     def snapshot(self, sid: str, kind: str, disk: list[str], memory: list[str] = (), *, status: str = "committed",
@@ -292,12 +292,12 @@ class _World:
         d.mkdir()
         (d / "vmstate").write_bytes(b"v" * 4096)
         (d / "memory").write_bytes(b"m" * 65536)
-        cfg = {"memory": str(d / "memory"), "memory_base": memory_base or str(d / "memory")}
         with self.db.session() as s:
             # one second apart, in the order made: "newest pause snapshot" must not depend on timer resolution
             self._clock += 1
             s.add(Snapshot(id=sid, kind=kind, status=status, source_sandbox_id=source, parent_id=parent,
-                           vmstate_location=str(d / "vmstate"), config=cfg,
+                           vmstate_location=str(d / "vmstate"), memory_location=str(d / "memory"),
+                           memory_base_location=memory_base or str(d / "memory"),
                            created_at=utcnow() + dt.timedelta(seconds=self._clock)))
             s.flush()
             for k, chain in (("disk", disk), ("memory", memory)):
@@ -438,5 +438,7 @@ async def test_startup_sweep_rules(world: _World) -> None:
 def test_the_documented_sql_is_the_sql_the_node_runs() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     section = doc.split("What a collection would remove now", 1)[1].split("```sql", 1)[1].split("```", 1)[0]
-    norm = lambda q: " ".join(q.split())
+    def norm(q: str) -> str:
+        return " ".join(q.split())
+
     assert norm(REACHABLE_CTE) in norm(section)

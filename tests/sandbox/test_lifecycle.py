@@ -60,14 +60,14 @@ def test_pause_then_connect_continues_with_files_and_processes(sdk_env) -> None:
         assert after > before  # the background process kept counting after the resume
         # pause, resume, pause, resume keeps everything
         again.files.write("/home/user/second.txt", "round two")
-        first_image = Path(sdk_env.sql(f"SELECT json_extract(config, '$.memory') FROM snapshots "
+        first_image = Path(sdk_env.sql(f"SELECT memory_location FROM snapshots "
                                        f"WHERE id = '{snap}'")[0][0])
         first_inode = first_image.stat().st_ino
         again.pause()
         # the first pause snapshot was this sandbox's alone: the second took its memory image over (moved
         # and patched in place, not copied)
         snap2 = sdk_env.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sb.sandbox_id}'")[0][0]
-        second_image = Path(sdk_env.sql(f"SELECT json_extract(config, '$.memory') FROM snapshots "
+        second_image = Path(sdk_env.sql(f"SELECT memory_location FROM snapshots "
                                         f"WHERE id = '{snap2}'")[0][0])
         assert second_image != first_image and second_image.stat().st_ino == first_inode
         assert not first_image.exists()
@@ -209,7 +209,7 @@ def test_long_chains_are_compacted_and_still_resume(sdk_env) -> None:
         # the compacted memory layer over the template's RAM image is exactly the snapshot's flat image
         # (what another node would materialize from the repository)
         flat, base, layer_path = sdk_env.sql(
-            "SELECT json_extract(s.config, '$.memory'), json_extract(s.config, '$.memory_base'), l.location "
+            "SELECT s.memory_location, s.memory_base_location, l.local_path "
             "FROM snapshots s JOIN snapshot_layers sl ON sl.snapshot_id = s.id AND sl.kind = 'memory' "
             f"JOIN layers l ON l.digest = sl.layer_digest WHERE s.id = '{snap}'")[0]
         rebuilt = bytearray(Path(base).read_bytes())

@@ -16,7 +16,6 @@ snapshot or layer rows and removes its files.
 from __future__ import annotations
 
 import logging
-import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -25,39 +24,34 @@ from typing import Optional
 
 import trio
 
-from ..net import SlotPool
-from ..state import Database, Layer, Snapshot, SnapshotLayer, Template, TemplateBuild, utcnow
-from ..state.repository import record_event
-from ..storage.image import Image
-from ..storage.importer import import_raw
-from ..storage.layer import LayerInfo
-from ..vmm import CaptureKind, VmmDriver
-from .envd import wait_envd
-from .machine import MachineShape, open_machine
+from sqlalchemy.orm import Session
 
-__all__ = ["TemplateSource", "BuildResult", "build_template", "new_id", "layer_digest", "reference_layer"]
+from ..net import SlotPool
+from ..snapshot.envd import wait_envd
+from ..snapshot.layers import layer_digest, record_stack, reference_layer
+from ..snapshot.machine import open_machine
+from ..state import (
+    BuildStatus,
+    Database,
+    EventSubject,
+    LayerKind,
+    MachineShape,
+    Snapshot,
+    SnapshotConfig,
+    SnapshotKind,
+    SnapshotStatus,
+    Template,
+    TemplateBuild,
+    new_id,
+    utcnow,
+)
+from ..state.repository import record_event
+from ..storage import Image, LayerRef, import_raw
+from ..vmm import CaptureKind, VmmDriver
+
+__all__ = ["TemplateSource", "BuildResult", "build_template"]
 
 log = logging.getLogger(__name__)
-
-
-def layer_digest(info: "LayerInfo") -> str:
-    """The digest as the database and repositories name it."""
-    return f"sha256:{info.digest}"
-
-
-def reference_layer(s, info: "LayerInfo", kind: str) -> Layer:  # type: ignore[no-untyped-def]
-    """Record a layer file (once) and count one more snapshot referencing it."""
-    row = s.get(Layer, layer_digest(info))
-    if row is None:
-        row = Layer(digest=layer_digest(info), kind=kind, size_bytes=info.file_size,
-                    virtual_size_bytes=info.virtual_size, location=str(info.path), refcount=0)
-        s.add(row)
-    row.refcount += 1
-    return row
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(10)}"
 
 
 @dataclass(frozen=True)
@@ -113,15 +107,15 @@ async def build_template(
         free_page_reporting=source.free_page_reporting,
     )
 
-    def begin(s) -> None:  # type: ignore[no-untyped-def]
+    def begin(s: Session) -> None:
         if s.get(Template, template_id) is None:
-            s.add(Template(id=template_id, alias=alias, status="building", cpu_count=vcpus,
+            s.add(Template(id=template_id, alias=alias, status=BuildStatus.BUILDING, cpu_count=vcpus,
                            memory_mb=mem_mib, disk_size_mb=disk_size_mb, envd_version=envd_version))
-        s.add(TemplateBuild(id=build_id, template_id=template_id, status="building",
+        s.add(TemplateBuild(id=build_id, template_id=template_id, status=BuildStatus.BUILDING,
                             source=str(source.rootfs), kit_hash=source.kit_hash,
                             log_path=str(workdir / "console.log")))
-        record_event(s, "template_build", subject="template", subject_id=template_id,
-                     to_state="building", detail={"build_id": build_id})
+        record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=template_id,
+                     to_state=BuildStatus.BUILDING, detail={"build_id": build_id})
 
     await db.run(begin)
     layers_dir.mkdir(parents=True, exist_ok=True)
@@ -158,33 +152,34 @@ async def build_template(
         await trio.to_thread.run_sync(image.close)
         image = None
 
-        def commit(s) -> None:  # type: ignore[no-untyped-def]
+        def commit(s: Session) -> None:
             for info in (base, sealed):
-                reference_layer(s, info, "disk")
+                reference_layer(s, info, LayerKind.DISK)
             s.add(Snapshot(
-                id=snapshot_id, kind="boot", status="committed", template_id=template_id,
-                vmm=capture.vmm, vmstate_location=str(capture.vmstate),
-                config={"shape": shape.to_json(), "format": capture.format.value,
-                        "memory": str(capture.memory), "memory_layers": [],
-                        "envd_version": envd_version, "rootfs": str(source.rootfs),
-                        "kit_hash": source.kit_hash},
+                id=snapshot_id, kind=SnapshotKind.BOOT, status=SnapshotStatus.COMMITTED, template_id=template_id,
+                vmm=capture.vmm, vmstate_location=str(capture.vmstate), vmstate_format=capture.format.value,
+                memory_location=str(capture.memory),
+                config=SnapshotConfig(shape=shape, envd_version=envd_version, rootfs=str(source.rootfs),
+                                      kit_hash=source.kit_hash),
                 memory_mb=mem_mib, committed_at=utcnow(),
             ))
             s.flush()
-            s.add(SnapshotLayer(snapshot_id=snapshot_id, kind="disk", position=0, layer_digest=layer_digest(base)))
-            s.add(SnapshotLayer(snapshot_id=snapshot_id, kind="disk", position=1, layer_digest=layer_digest(sealed)))
+            record_stack(s, snapshot_id, [LayerRef.local(base.path, layer_digest(base)),
+                                          LayerRef.local(sealed.path, layer_digest(sealed))], [])
             t = s.get(Template, template_id)
+            assert t is not None  # begin() made it
             old_snapshot = t.boot_snapshot_id
-            t.status = "ready"
+            t.status = BuildStatus.READY
             t.boot_snapshot_id = snapshot_id
             t.cpu_count, t.memory_mb, t.disk_size_mb = vcpus, mem_mib, disk_size_mb
             t.envd_version = envd_version
             b = s.get(TemplateBuild, build_id)
-            b.status = "ready"
+            assert b is not None
+            b.status = BuildStatus.READY
             b.finished_at = utcnow()
             b.duration_ms = (time.monotonic() - started) * 1000
-            record_event(s, "template_build", subject="template", subject_id=template_id,
-                         from_state="building", to_state="ready", duration_ms=b.duration_ms,
+            record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=template_id,
+                         from_state=BuildStatus.BUILDING, to_state=BuildStatus.READY, duration_ms=b.duration_ms,
                          detail={"build_id": build_id, "snapshot_id": snapshot_id,
                                  "replaced_snapshot_id": old_snapshot,
                                  "boot_s": round(boot_s, 3), "capture_ms": round(capture_s * 1000, 1)})
@@ -199,16 +194,17 @@ async def build_template(
             shutil.rmtree(snap_dir, ignore_errors=True)
             message = f"{type(exc).__name__}: {exc}"
 
-            def fail(s) -> None:  # type: ignore[no-untyped-def]
+            def fail(s: Session) -> None:
                 b = s.get(TemplateBuild, build_id)
-                b.status = "error"
-                b.error = message
-                b.finished_at = utcnow()
+                if b is not None:
+                    b.status = BuildStatus.ERROR
+                    b.error = message
+                    b.finished_at = utcnow()
                 t = s.get(Template, template_id)
                 if t is not None and t.boot_snapshot_id is None:
-                    t.status = "error"
-                record_event(s, "template_build", subject="template", subject_id=template_id,
-                             from_state="building", to_state="error", error=message,
+                    t.status = BuildStatus.ERROR
+                record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=template_id,
+                             from_state=BuildStatus.BUILDING, to_state=BuildStatus.ERROR, error=message,
                              detail={"build_id": build_id,
                                      "console_log": str(workdir / "console.log")})
 

@@ -12,7 +12,7 @@ sees a manifest whose layers are missing.
 
 A node asked to resume a sandbox it does not know looks for that manifest,
 **imports** the sandbox and its snapshot into its own database (layers
-recorded with ``repo:`` locations), and restores it with a cold local cache:
+recorded as repository-only layers (no local path)), and restores it with a cold local cache:
 disk layers are read on demand in 256 KiB ranges through the LRU cache, and
 the memory chain is materialized into a local file through the same cache.
 
@@ -53,7 +53,6 @@ an owner read as paused and unowned, so a node upgraded in place claims them.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import time
@@ -62,42 +61,33 @@ from pathlib import Path
 from typing import Any, AsyncContextManager, Optional
 
 import trio
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from ..state import (
     Database,
+    EventSubject,
     Layer,
+    LayerKind,
     Sandbox,
     SandboxState,
     Snapshot,
-    SnapshotLayer,
+    SnapshotConfig,
+    SnapshotKind,
+    SnapshotStatus,
     utcnow,
 )
 from ..state.repository import insert_sandbox, record_event, update_sandbox
-from ..storage.importer import import_raw
-from ..storage.repository.base import (
-    CAS_RETRIES,
-    Ownership,
-    Repository,
-    sandbox_record_id,
-)
-from ..storage.repository.errors import (
-    OwnershipChanged,
-    OwnershipConflict,
-    OwnershipLost,
-)
+from ..storage import LayerRef, import_raw
+from ..storage.repository.base import CAS_RETRIES, Ownership, Repository, layer_key
+from ..storage.repository.errors import OwnershipChanged, OwnershipConflict, OwnershipLost
+from .layers import record_stack, stack_of
+from .manifest import DiskLayerRef, SandboxRecord, SnapshotManifest
 
-__all__ = ["REPO_PREFIX", "publish_snapshot", "import_sandbox", "sandbox_manifest_id", "owner_id",
-           "Claim", "claim_for_resume", "release_claim", "forget_published", "settle_record"]
+__all__ = ["publish_snapshot", "import_sandbox", "owner_id", "Claim", "claim_for_resume", "release_claim",
+           "forget_published", "settle_record"]
 
 log = logging.getLogger(__name__)
-
-#: Layer.location prefix for layers that live only in the repository (read through the cache).
-REPO_PREFIX = "repo:"
-
-
-def sandbox_manifest_id(sandbox_id: str) -> str:
-    return sandbox_record_id(sandbox_id)
 
 
 def owner_id(node_id: str, instance: str) -> str:
@@ -106,22 +96,15 @@ def owner_id(node_id: str, instance: str) -> str:
     return f"{node_id}/{instance}"
 
 
-def _chain(s, snapshot_id: str, kind: str) -> list[Layer]:  # type: ignore[no-untyped-def]
-    rows = s.scalars(select(SnapshotLayer).where(SnapshotLayer.snapshot_id == snapshot_id,
-                                                 SnapshotLayer.kind == kind)
-                     .order_by(SnapshotLayer.position))
-    return [s.get(Layer, r.layer_digest) for r in rows]
-
-
-async def _memory_base_layer(db: Database, layers_dir: Path, memory_base: str) -> tuple[str, str]:
+async def _memory_base_layer(db: Database, layers_dir: Path, memory_base: str) -> LayerRef:
     """The template RAM image at the bottom of a memory chain, as a layer (imported once)."""
-    def find(s) -> Optional[tuple[str, str]]:  # type: ignore[no-untyped-def]
-        for sn in s.scalars(select(Snapshot).where(Snapshot.kind == "boot")):
-            cfg = sn.config or {}
-            if cfg.get("memory") == memory_base and cfg.get("memory_base_layer"):
-                layer = s.get(Layer, cfg["memory_base_layer"])
-                if layer is not None:
-                    return layer.digest, layer.location
+    def find(s: Session) -> Optional[LayerRef]:
+        for sn in s.scalars(select(Snapshot).where(Snapshot.kind == SnapshotKind.BOOT,
+                                                   Snapshot.memory_location == memory_base,
+                                                   Snapshot.memory_base_layer.is_not(None))):
+            layer = s.get(Layer, sn.memory_base_layer)
+            if layer is not None:
+                return LayerRef(layer.digest, Path(layer.local_path) if layer.local_path else None)
         return None
 
     found = await db.run(find)
@@ -130,18 +113,16 @@ async def _memory_base_layer(db: Database, layers_dir: Path, memory_base: str) -
     info = await trio.to_thread.run_sync(lambda: import_raw(memory_base, layers_dir))
     digest = f"sha256:{info.digest}"
 
-    def record(s) -> None:  # type: ignore[no-untyped-def]
+    def record(s: Session) -> None:
         if s.get(Layer, digest) is None:
-            s.add(Layer(digest=digest, kind="memory", size_bytes=info.file_size,
-                        virtual_size_bytes=info.virtual_size, location=str(info.path), refcount=1))
-        for sn in s.scalars(select(Snapshot).where(Snapshot.kind == "boot")):
-            cfg = dict(sn.config or {})
-            if cfg.get("memory") == memory_base:
-                cfg["memory_base_layer"] = digest
-                sn.config = cfg
+            s.add(Layer(digest=digest, kind=LayerKind.MEMORY, size_bytes=info.file_size,
+                        virtual_size_bytes=info.virtual_size, local_path=str(info.path), refcount=1))
+        s.execute(update(Snapshot).where(Snapshot.kind == SnapshotKind.BOOT,
+                                         Snapshot.memory_location == memory_base)
+                  .values(memory_base_layer=digest))
 
     await db.run(record)
-    return digest, str(info.path)
+    return LayerRef(digest, Path(info.path))
 
 
 async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, snapshot_id: str,
@@ -154,74 +135,67 @@ async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, sna
     so "the row is still paused at this snapshot" stays true until the record says so."""
     t0 = time.monotonic()
 
-    def gather(s):  # type: ignore[no-untyped-def]
+    def gather(s: Session) -> tuple[Snapshot, Sandbox, list[Layer], list[Layer]]:
         sn = s.get(Snapshot, snapshot_id)
         sb = s.get(Sandbox, sandbox_id)
-        return sn, sb, _chain(s, snapshot_id, "disk"), _chain(s, snapshot_id, "memory")
+        if sn is None or sb is None or sn.config is None:
+            raise OwnershipLost(sandbox_id)
+        return sn, sb, stack_of(s, snapshot_id, LayerKind.DISK), stack_of(s, snapshot_id, LayerKind.MEMORY)
 
     sn, sb, disk, memory = await db.run(gather)
-    cfg = dict(sn.config or {})
-    layer_paths = {l.digest: l.location for l in disk + memory if not l.location.startswith(REPO_PREFIX)}
+    assert sn.config is not None
+    layer_paths = {l.digest: l.local_path for l in disk + memory if l.local_path}
     memory_chain = [l.digest for l in memory]
-    if cfg.get("memory_base"):
+    if sn.memory_base_location:
         # a chain over a template's RAM file: that file goes up as the chain's bottom layer
-        base_digest, base_path = await _memory_base_layer(db, layers_dir, cfg["memory_base"])
-        memory_chain.insert(0, base_digest)
-        if not base_path.startswith(REPO_PREFIX):
-            layer_paths[base_digest] = base_path
-    require = [l.digest for l in disk + memory if l.location.startswith(REPO_PREFIX)]
-    vmstate = await trio.to_thread.run_sync(Path(sn.vmstate_location).read_bytes)
-    manifest = {
-        "version": 1,
-        "snapshot_id": sn.id,
-        "kind": sn.kind,
-        "parent_id": sn.parent_id,
-        "source_sandbox_id": sn.source_sandbox_id,
-        "template_id": sn.template_id,
-        "vmm": sn.vmm,
-        "shape": cfg["shape"],
-        "format": cfg["format"],
-        "vmstate_b64": base64.b64encode(vmstate).decode(),
-        "disk_layers": [{"digest": l.digest, "size": l.size_bytes, "virtual_size": l.virtual_size_bytes}
-                        for l in disk],
-        "memory_layers": memory_chain,
-        "memory_mb": sn.memory_mb,
-        "access_token": cfg.get("access_token"),
-        "env_vars": cfg.get("env_vars") or {},
-        "sandbox": {
-            "id": sb.id, "template_id": sb.template_id, "alias": sb.alias, "cpu_count": sb.cpu_count,
-            "memory_mb": sb.memory_mb, "disk_size_mb": sb.disk_size_mb, "envd_version": sb.envd_version,
-            "envd_access_token": sb.envd_access_token, "metadata": sb.metadata_ or {},
-            "env_vars": sb.env_vars or {}, "auto_pause": sb.auto_pause, "auto_resume": sb.auto_resume,
-            "secure": sb.secure, "allow_internet_access": sb.allow_internet_access,
-            "network_policy": sb.network_policy or {},
-        },
-    }
+        base = await _memory_base_layer(db, layers_dir, sn.memory_base_location)
+        memory_chain.insert(0, base.digest)
+        if base.path is not None:
+            layer_paths[base.digest] = str(base.path)
+    require = [l.digest for l in disk + memory if not l.local_path]
+    vmstate = await trio.to_thread.run_sync(Path(sn.vmstate_location or "").read_bytes)
+    manifest = SnapshotManifest(
+        snapshot_id=sn.id, kind=sn.kind.value, parent_id=sn.parent_id, source_sandbox_id=sn.source_sandbox_id,
+        template_id=sn.template_id, vmm=sn.vmm, shape=sn.config.shape, format=sn.vmstate_format,
+        vmstate_b64=SnapshotManifest.encode_vmstate(vmstate),
+        disk_layers=[DiskLayerRef(digest=l.digest, size=l.size_bytes, virtual_size=l.virtual_size_bytes)
+                     for l in disk],
+        memory_layers=memory_chain, memory_mb=sn.memory_mb, access_token=sn.config.access_token,
+        env_vars=dict(sn.config.env_vars), sandbox=SandboxRecord.of(sb))
 
     result = await trio.to_thread.run_sync(
-        lambda: repo.commit_snapshot(sn.id, manifest, layer_paths, require=require))
+        lambda: repo.commit_snapshot(sn.id, manifest.model_dump(mode="json"), layer_paths, require=require))
+    stored = result.uploaded + result.already_present
+
+    def mark_stored(s: Session) -> None:
+        for digest in stored:
+            s.execute(update(Layer).where(Layer.digest == digest, Layer.repository_key.is_(None))
+                      .values(repository_key=layer_key(digest)))
+
+    await db.run(mark_stored)
     async with (pointer_lock or contextlib.nullcontext()):
         pointer, generation = await _publish_pointer(db, repo, sandbox_id, sn.id, owner)
     summary: dict[str, Any] = {"uploaded": len(result.uploaded), "already_present": len(result.already_present),
                                "ms": round((time.monotonic() - t0) * 1000, 1), "pointer": pointer,
                                "generation": generation}
-    await db.run(lambda s: record_event(s, "snapshot_publish", sandbox_id=sandbox_id, subject="snapshot",
-                                        subject_id=sn.id, duration_ms=summary["ms"], detail=summary))
+    await db.run(lambda s: record_event(s, "snapshot_publish", sandbox_id=sandbox_id,
+                                        subject=EventSubject.SNAPSHOT, subject_id=sn.id,
+                                        duration_ms=summary["ms"], detail=summary))
     return summary
 
 
 async def _publish_pointer(db: Database, repo: Repository, sandbox_id: str, snapshot_id: str,
                            owner: str) -> tuple[str, Optional[int]]:
     """Record ``paused`` at ``snapshot_id`` if the local row is still paused there; undo it if a kill came."""
-    def local(s) -> tuple[Optional[str], Optional[str]]:  # type: ignore[no-untyped-def]
+    def local(s: Session) -> tuple[Optional[SandboxState], Optional[str]]:
         sb = s.get(Sandbox, sandbox_id)
         return (sb.state, sb.snapshot_id) if sb is not None else (None, None)
 
-    gone = (None, SandboxState.KILLING.value, SandboxState.KILLED.value)
+    gone = (None, SandboxState.KILLING, SandboxState.KILLED)
     state, current = await db.run(local)
     if state in gone:
         return "killed", None
-    if state != SandboxState.PAUSED.value or current != snapshot_id:
+    if state != SandboxState.PAUSED or current != snapshot_id:
         return "superseded", None  # resumed (and maybe paused again) meanwhile: that pause publishes
     try:
         rec = await trio.to_thread.run_sync(lambda: repo.release_sandbox(sandbox_id, owner, snapshot_id))
@@ -235,10 +209,10 @@ async def _publish_pointer(db: Database, repo: Repository, sandbox_id: str, snap
         await trio.to_thread.run_sync(forget_published, repo, sandbox_id, owner)
         return "killed", None
 
-    def mark(s) -> None:  # type: ignore[no-untyped-def]
+    def mark(s: Session) -> None:
         sn = s.get(Snapshot, snapshot_id)
         if sn is not None:
-            sn.config = {**(sn.config or {}), "published": True}
+            sn.published = True
 
     await db.run(mark)
     return "written", rec.generation
@@ -253,69 +227,68 @@ def forget_published(repo: Repository, sandbox_id: str, owner: str) -> bool:
         return False
 
 
-async def _fetch_snapshot(repo: Repository, snapshot_id: str) -> dict[str, Any]:
-    return await trio.to_thread.run_sync(repo.get_manifest, snapshot_id)
+async def _fetch_snapshot(repo: Repository, snapshot_id: str) -> SnapshotManifest:
+    doc = await trio.to_thread.run_sync(repo.get_manifest, snapshot_id)
+    return SnapshotManifest.model_validate(doc)
 
 
 async def _record_import(db: Database, snapshots_dir: Path, sandbox_id: str, node_id: str,
-                         manifest: dict[str, Any], *, replace: bool) -> None:
-    """Record a published snapshot (its layers as ``repo:`` locations) and point the sandbox at it: a new
-    row (``replace=False``; nothing if one exists) or, for a newer snapshot of a sandbox known here, the
+                         manifest: SnapshotManifest, *, replace: bool) -> None:
+    """Record a published snapshot (its layers as repository-only references) and point the sandbox at it: a
+    new row (``replace=False``; nothing if one exists) or, for a newer snapshot of a sandbox known here, the
     existing paused row, with the settings the other node had."""
-    snap_id = manifest["snapshot_id"]
+    snap_id = manifest.snapshot_id
     snap_dir = snapshots_dir / snap_id
     snap_dir.mkdir(parents=True, exist_ok=True)
     vmstate = snap_dir / "vmstate"
-    await trio.to_thread.run_sync(vmstate.write_bytes, base64.b64decode(manifest["vmstate_b64"]))
-    info = manifest["sandbox"]
+    await trio.to_thread.run_sync(vmstate.write_bytes, manifest.vmstate)
+    info = manifest.sandbox
 
-    def record(s) -> None:  # type: ignore[no-untyped-def]
+    def record(s: Session) -> None:
         existing = s.get(Sandbox, sandbox_id)
         if existing is not None and not replace:
             return
-        for l in manifest["disk_layers"]:
-            if s.get(Layer, l["digest"]) is None:
-                s.add(Layer(digest=l["digest"], kind="disk", size_bytes=l["size"],
-                            virtual_size_bytes=l["virtual_size"], location=REPO_PREFIX + l["digest"],
+        for l in manifest.disk_layers:
+            if s.get(Layer, l.digest) is None:
+                s.add(Layer(digest=l.digest, kind=LayerKind.DISK, size_bytes=l.size,
+                            virtual_size_bytes=l.virtual_size, local_path=None, repository_key=layer_key(l.digest),
                             refcount=1))
-        for d in manifest["memory_layers"]:
+        for d in manifest.memory_layers:
             if s.get(Layer, d) is None:
-                s.add(Layer(digest=d, kind="memory", size_bytes=0, location=REPO_PREFIX + d, refcount=1))
+                s.add(Layer(digest=d, kind=LayerKind.MEMORY, size_bytes=0, local_path=None,
+                            repository_key=layer_key(d), refcount=1))
         if s.get(Snapshot, snap_id) is None:
             s.add(Snapshot(
-                id=snap_id, kind=manifest["kind"], status="committed", parent_id=None,
-                source_sandbox_id=manifest["source_sandbox_id"], template_id=manifest["template_id"],
-                vmm=manifest["vmm"], vmstate_location=str(vmstate),
-                config={"shape": manifest["shape"], "format": manifest["format"],
-                        "memory": str(snap_dir / "memory"), "memory_base": "",
-                        "memory_layers": manifest["memory_layers"],
-                        "memory_from_layers": True, "imported_parent_id": manifest["parent_id"],
-                        "access_token": manifest["access_token"], "env_vars": manifest["env_vars"],
-                        "published": True},
-                memory_mb=manifest["memory_mb"], committed_at=utcnow()))
+                id=snap_id, kind=SnapshotKind(manifest.kind), status=SnapshotStatus.COMMITTED, parent_id=None,
+                source_sandbox_id=manifest.source_sandbox_id, template_id=manifest.template_id,
+                vmm=manifest.vmm, vmstate_location=str(vmstate), vmstate_format=manifest.format,
+                memory_location=str(snap_dir / "memory"), memory_base_location=None, memory_from_layers=True,
+                imported_parent_id=manifest.parent_id, published=True,
+                config=SnapshotConfig(shape=manifest.shape, access_token=manifest.access_token,
+                                      env_vars=dict(manifest.env_vars)),
+                memory_mb=manifest.memory_mb, committed_at=utcnow()))
             s.flush()
-            for pos, l in enumerate(manifest["disk_layers"]):
-                s.add(SnapshotLayer(snapshot_id=snap_id, kind="disk", position=pos, layer_digest=l["digest"]))
-            for pos, d in enumerate(manifest["memory_layers"]):
-                s.add(SnapshotLayer(snapshot_id=snap_id, kind="memory", position=pos, layer_digest=d))
+            record_stack(s, snap_id, [LayerRef.remote(l.digest) for l in manifest.disk_layers],
+                         manifest.memory_layers)
         if existing is not None:
             update_sandbox(
                 s, sandbox_id, operation="import",
                 detail={"snapshot_id": snap_id, "replaces": existing.snapshot_id,
                         "reason": "a newer snapshot was published by another node"},
-                snapshot_id=snap_id, vmm=manifest["vmm"], metadata_=info["metadata"], env_vars=info["env_vars"],
-                envd_access_token=info["envd_access_token"], auto_pause=info["auto_pause"],
-                auto_resume=info["auto_resume"], network_policy=info["network_policy"])
+                snapshot_id=snap_id, vmm=manifest.vmm, metadata_=info.metadata, env_vars=info.env_vars,
+                envd_access_token=info.envd_access_token, traffic_access_token=info.traffic_access_token,
+                auto_pause=info.auto_pause, auto_resume=info.auto_resume, network_policy=info.network_policy)
             return
         row = Sandbox(
-            id=sandbox_id, template_id=info["template_id"], alias=info["alias"], node_id=node_id,
-            client_id=node_id, cpu_count=info["cpu_count"], memory_mb=info["memory_mb"],
-            disk_size_mb=info["disk_size_mb"], envd_version=info["envd_version"],
-            envd_access_token=info["envd_access_token"], metadata_=info["metadata"],
-            env_vars=info["env_vars"], auto_pause=info["auto_pause"], auto_resume=info["auto_resume"],
-            secure=info["secure"], allow_internet_access=info["allow_internet_access"],
-            network_policy=info["network_policy"], snapshot_id=snap_id, vmm=manifest["vmm"],
-            state=SandboxState.PAUSED.value, paused_at=utcnow(), end_at=utcnow())
+            id=sandbox_id, template_id=info.template_id, alias=info.alias, node_id=node_id,
+            client_id=node_id, cpu_count=info.cpu_count, memory_mb=info.memory_mb,
+            disk_size_mb=info.disk_size_mb, envd_version=info.envd_version,
+            envd_access_token=info.envd_access_token, traffic_access_token=info.traffic_access_token,
+            metadata_=info.metadata,
+            env_vars=info.env_vars, auto_pause=info.auto_pause, auto_resume=info.auto_resume,
+            allow_internet_access=info.allow_internet_access,
+            network_policy=info.network_policy, snapshot_id=snap_id, vmm=manifest.vmm,
+            state=SandboxState.PAUSED, paused_at=utcnow(), end_at=utcnow())
         insert_sandbox(s, row, operation="import")
 
     await db.run(record)
@@ -344,7 +317,6 @@ class Claim:
     previous: Optional[Ownership]
     imported: Optional[str] = None
 
-
 async def claim_for_resume(db: Database, repo: Repository, snapshots_dir: Path, sandbox_id: str,
                            node_id: str, owner: str) -> Optional[Claim]:
     """Claim a paused sandbox for this node before restoring it; None if neither this node nor the
@@ -356,12 +328,12 @@ async def claim_for_resume(db: Database, repo: Repository, snapshots_dir: Path, 
     swaps against exactly the record that was read and judged, so a concurrent claim elsewhere either lands
     first (seen on the next round) or fails.
     """
-    def local(s) -> Optional[tuple[str, Optional[str], bool]]:  # type: ignore[no-untyped-def]
+    def local(s: Session) -> Optional[tuple[SandboxState, Optional[str], bool]]:
         sb = s.get(Sandbox, sandbox_id)
         if sb is None:
             return None
         sn = s.get(Snapshot, sb.snapshot_id) if sb.snapshot_id else None
-        return sb.state, sb.snapshot_id, bool(sn is not None and (sn.config or {}).get("published"))
+        return sb.state, sb.snapshot_id, bool(sn is not None and sn.published)
 
     for _ in range(CAS_RETRIES):
         rec = await trio.to_thread.run_sync(repo.get_ownership, sandbox_id)
@@ -388,7 +360,7 @@ async def claim_for_resume(db: Database, repo: Repository, snapshots_dir: Path, 
         except OwnershipChanged:
             continue  # someone wrote it since it was read: judge it again
         await db.run(lambda s: record_event(
-            s, "ownership_claim", sandbox_id=sandbox_id, subject="sandbox", subject_id=sandbox_id,
+            s, "ownership_claim", sandbox_id=sandbox_id, subject=EventSubject.SANDBOX, subject_id=sandbox_id,
             detail={"owner": owner, "generation": claimed.generation, "snapshot_id": claimed.snapshot_id,
                     "previous_owner": rec.owner if rec is not None else None, "imported": imported}))
         return Claim(claimed, rec, imported)
@@ -412,12 +384,12 @@ async def settle_record(db: Database, repo: Repository, sandbox_id: str, owner: 
     guest powered off): a record still saying ``running`` here would make every other node refuse it, so
     it is deleted if the sandbox ended killed or in error.  True if a record was deleted.
 
-    For the manager's ``stopped_hooks`` and its start-up reconcile (which may find records of sandboxes it
+    For the sandbox registry's ``stopped_hooks`` and the start-up reconcile (which may find records of sandboxes it
     marked killed); a paused sandbox's record is the publish's business and is left alone."""
-    def state(s) -> Optional[str]:  # type: ignore[no-untyped-def]
+    def state(s: Session) -> Optional[SandboxState]:
         sb = s.get(Sandbox, sandbox_id)
         return sb.state if sb is not None else None
 
-    if await db.run(state) not in (SandboxState.KILLED.value, SandboxState.ERROR.value):
+    if await db.run(state) not in (SandboxState.KILLED, SandboxState.ERROR):
         return False
     return await trio.to_thread.run_sync(forget_published, repo, sandbox_id, owner)

@@ -1,0 +1,21 @@
+"""Typed errors of the snapshot operations (mapped to HTTP once, at the API's edge)."""
+
+from __future__ import annotations
+
+__all__ = ["SnapshotError", "SnapshotNotFound", "SandboxConflict", "ForkLimit"]
+
+
+class SnapshotError(Exception):
+    """Base of the snapshot operations' errors."""
+
+
+class SnapshotNotFound(SnapshotError):
+    """A snapshot a sandbox should start from is unknown or no longer committed."""
+
+
+class SandboxConflict(SnapshotError):
+    """The sandbox is not in a state that allows the operation (e.g. pausing a paused one)."""
+
+
+class ForkLimit(SnapshotError):
+    """A fork asked for more (or fewer) children than the node allows."""
