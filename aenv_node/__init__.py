@@ -4,7 +4,7 @@ Each sandbox is a microVM with its own kernel, filesystem and network namespace.
 The layers of the package (dependencies point down only) are described in
 ``docs/architecture.md``:
 
-    api/ -> runtime/ -> snapshot/ -> vmm/, net/, storage/, images/ -> state/
+    cli/ -> api/ -> runtime/ -> templates/ -> snapshot/ -> vmm/, net/, storage/, images/ -> state/
     guest/ runs inside the VM and imports nothing from the node.
 
 This module deliberately imports nothing: ``aenv_node.guest`` is shipped into

@@ -63,7 +63,7 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> Non
 
     from ..api.server import ApiServer
     from ..runtime import Node, ensure_api_key, run_node
-    from ..runtime.manager import SandboxManager
+    from ..runtime.assemble import install_sandbox_services
     from ..state import Database
 
     cfg = _cfg(ctx, state_dir, listen=listen)
@@ -71,8 +71,8 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> Non
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     key, key_path = ensure_api_key(cfg)
     node = Node(cfg, Database(cfg.database_path), key, key_path)
-    node.services.append(SandboxManager(node))
-    node.services.append(ApiServer(node))
+    sandboxes = install_sandbox_services(node)
+    node.services.append(ApiServer(node, sandboxes=sandboxes))
 
     async def main_task() -> None:
         async with trio.open_nursery() as nursery:

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
 import trio
+from sqlalchemy.orm import Session
 
 from .. import __version__
 from ..config import Config
-from ..state import Database, Node as NodeRow, utcnow
+from ..state import Database, EventSubject, NodeState, utcnow
+from ..state import Node as NodeRow
 from ..state.repository import record_event
 from .operations import OperationTracker
 
@@ -101,7 +103,7 @@ class Node:
     async def register(self) -> None:
         """Record this node as running (one row per node id) with its event."""
 
-        def work(s) -> None:  # type: ignore[no-untyped-def]
+        def work(s: Session) -> None:
             row = s.get(NodeRow, self.node_id)
             now = utcnow()
             if row is None:
@@ -111,25 +113,24 @@ class Node:
             prev = row.state if row.state else None
             row.listen = self.cfg.api.listen
             row.version = self.version
-            row.state = "running"
+            row.state = NodeState.RUNNING
             row.started_at = now
-            row.heartbeat_at = now
             row.stopped_at = None
-            record_event(s, "node_start", subject="node", subject_id=self.node_id,
-                         from_state=prev, to_state="running")
+            record_event(s, "node_start", subject=EventSubject.NODE, subject_id=self.node_id,
+                         from_state=prev, to_state=NodeState.RUNNING)
 
         await self.db.run(work)
 
     async def unregister(self, *, error: str | None = None) -> None:
-        def work(s) -> None:  # type: ignore[no-untyped-def]
+        def work(s: Session) -> None:
             row = s.get(NodeRow, self.node_id)
             if row is None:
                 return
             prev = row.state
-            row.state = "stopped"
+            row.state = NodeState.STOPPED
             row.stopped_at = utcnow()
-            record_event(s, "node_stop", subject="node", subject_id=self.node_id,
-                         from_state=prev, to_state="stopped", error=error)
+            record_event(s, "node_stop", subject=EventSubject.NODE, subject_id=self.node_id,
+                         from_state=prev, to_state=NodeState.STOPPED, error=error)
 
         await self.db.run(work)
 

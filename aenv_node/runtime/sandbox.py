@@ -1,6 +1,6 @@
 """One sandbox = one task with its own scope, owning everything the sandbox holds.
 
-``run_sandbox`` is started in the sandbox manager's nursery. Until it reports
+``run_sandbox`` is started in the sandbox registry's nursery (``registry.py``). Until it reports
 ready it builds the sandbox up (network slot, disk image over the snapshot's
 layers with a fresh upper, NBD server, VMM restored from the snapshot, envd
 ``/init``); then it waits until the sandbox is asked to stop (kill, pause) or
@@ -20,18 +20,19 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import trio
+from sqlalchemy.orm import Session
 
-from ..net import EgressPolicy, SlotPool
-from ..snapshot.capture import SnapshotSource
+from ..net import EgressPolicy, Slot, SlotPool
 from ..snapshot.envd import init_envd
 from ..snapshot.machine import open_machine
-from ..state import Database, SandboxState
+from ..snapshot.source import SnapshotSource
+from ..state import Database, Sandbox, SandboxState
 from ..state import repository as repo
-from ..storage.image import Image
-from ..vmm import SnapshotFiles, SnapshotFormat, VmmDriver
+from ..storage import Image, LayerSourceProvider, open_image
+from ..vmm import Vm, VmmDriver
 
 __all__ = ["SandboxSpec", "SandboxHandle", "run_sandbox"]
 
@@ -46,8 +47,6 @@ class SandboxSpec:
 
     sandbox_id: str
     source: SnapshotSource
-    vmstate: Path
-    snapshot_format: str
     env_vars: dict[str, str]
     access_token: Optional[str]
     previous_token: Optional[str]
@@ -56,11 +55,12 @@ class SandboxSpec:
     workdir: Path
     run_dir: Path
     operation: str = "create"  # create | resume | fork
+    traffic_token: Optional[str] = None
 
 
 @dataclass
 class SandboxHandle:
-    """The live part of a sandbox that other tasks may touch."""
+    """The live part of a sandbox that other tasks may touch (``snapshot.operations.LiveSandbox``)."""
 
     sandbox_id: str
     address: str
@@ -68,11 +68,14 @@ class SandboxHandle:
     slot_index: int
     vmm_pid: int
     source: SnapshotSource
-    vm: Any = None
-    image: Any = None
-    slot: Any = None
+    vm: Vm
+    image: Image
+    slot: Slot
     traffic_token: Optional[str] = None
     env_vars: dict[str, str] = field(default_factory=dict)
+    #: when it started running (``time.monotonic()``): right after a restore the guest's network may need
+    #: a moment before a port accepts connections
+    started_at: float = field(default_factory=time.monotonic)
     op_lock: trio.Lock = field(default_factory=trio.Lock)
     stop_requested: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
@@ -93,7 +96,7 @@ async def run_sandbox(
     driver: VmmDriver,
     pool: SlotPool,
     live: dict[str, SandboxHandle],
-    cache: Any = None,
+    cache: Optional[LayerSourceProvider] = None,
     task_status: trio.TaskStatus[SandboxHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     sid = spec.sandbox_id
@@ -105,12 +108,10 @@ async def run_sandbox(
     try:
         slot = await pool.acquire(spec.policy)
         try:
-            image = await trio.to_thread.run_sync(
-                lambda: open_disk(src.disk_layers, spec.workdir / "upper", cache))
+            image = await trio.to_thread.run_sync(open_image, src.disk_layers, spec.workdir / "upper", cache)
             try:
-                snapshot = SnapshotFiles(spec.vmstate, src.memory, SnapshotFormat(spec.snapshot_format))
                 async with open_machine(driver, src.shape, disk=image, slot=slot, workdir=spec.workdir,
-                                        run_dir=spec.run_dir, snapshot=snapshot,
+                                        run_dir=spec.run_dir, snapshot=src.files,
                                         name=f"aenv-{sid}") as m:
                     t_restored = time.monotonic()
                     await init_envd(slot.address, env_vars=spec.env_vars,
@@ -119,15 +120,12 @@ async def run_sandbox(
                                     default_user=spec.default_user)
                     duration_ms = (time.monotonic() - t0) * 1000
                     handle = SandboxHandle(
-                        sid, slot.address, spec.access_token, slot.index, m.vm.pid,
-                        source=SnapshotSource(
-                            snapshot_id=src.snapshot_id, memory=src.memory,
-                            memory_layers=list(src.memory_layers), memory_base=src.memory_base,
-                            shape=src.shape, template_id=src.template_id,
-                            disk_layers=list(src.disk_layers)),
-                        vm=m.vm, image=image, slot=slot, env_vars=dict(spec.env_vars))
+                        sid, slot.address, spec.access_token, slot.index, m.vm.pid, source=src.copy(),
+                        vm=m.vm, image=image, slot=slot, env_vars=dict(spec.env_vars),
+                        traffic_token=spec.traffic_token)
+                    started = handle
 
-                    def ready(s) -> None:  # type: ignore[no-untyped-def]
+                    def ready(s: Session) -> None:
                         repo.claim_slot(s, slot.index, sid)
                         repo.transition(s, sid, S.RUNNING, operation=spec.operation,
                                         duration_ms=duration_ms, vmm_pid=m.vm.pid,
@@ -142,7 +140,7 @@ async def run_sandbox(
                         async def vmm_watch() -> None:
                             nonlocal vm_exit
                             vm_exit = await m.vm.wait()
-                            handle.request_stop("vmm_exit")
+                            started.request_stop("vmm_exit")
 
                         watch.start_soon(vmm_watch)
                         await handle.stop_requested.wait()
@@ -175,9 +173,9 @@ async def run_sandbox(
             reason = handle.stop_reason if handle is not None else spec.operation
             paused_in = handle.paused_snapshot_id if handle is not None else None
 
-            def final(s) -> None:  # type: ignore[no-untyped-def]
+            def final(s: Session) -> None:
                 repo.release_slot_of(s, sid)
-                sb = s.get(repo.Sandbox, sid)
+                sb = s.get(Sandbox, sid)
                 if sb is None:
                     return
                 _record_end(s, sb, S(sb.state), reason=reason, error=error, paused_in=paused_in,
@@ -191,51 +189,26 @@ async def run_sandbox(
                 handle.done.set()
 
 
-def open_disk(layers: list[Any], upper_dir: Path, cache: Any) -> Image:
-    """The sandbox's disk: its snapshot's layers (local files, or ``repo:<digest>`` read on demand
-    through the layer cache) with a fresh writable upper."""
-    if not any(isinstance(l, str) for l in layers):
-        return Image.open(layers, upper_dir)
-    from ..storage.layer import LayerReader
-    from ..storage.upper import Upper
-
-    readers: list[Any] = []
-    try:
-        for l in layers:
-            if isinstance(l, str):
-                digest = l.split(":", 1)[1] if l.startswith("repo:") else l
-                readers.append(LayerReader(cache.source(digest), digest=digest.split(":", 1)[1]))
-            else:
-                readers.append(LayerReader.open(l))
-        size = readers[-1].virtual_size
-        return Image(readers, Upper(upper_dir, size), size=size, own_layers=True)
-    except BaseException:
-        for r in readers:
-            r.close()
-        raise
-
-
-def _record_end(s: Any, sb: Any, current: SandboxState, *, reason: str, error: Optional[str],
+def _record_end(s: Session, sb: Sandbox, current: SandboxState, *, reason: str, error: Optional[str],
                 paused_in: Optional[str], operation: str) -> None:
     """The final, truthful state of a sandbox whose task ended."""
     sid = sb.id
-    gone = {"vmm_pid": None, "slot_index": None}
     if current == S.PAUSING and paused_in is not None:
-        repo.transition(s, sid, S.PAUSED, operation="pause", snapshot_id=paused_in, **gone)
+        repo.transition(s, sid, S.PAUSED, operation="pause", snapshot_id=paused_in, vmm_pid=None, slot_index=None)
         return
     if current == S.RESUMING:
         # the paused snapshot is intact: the sandbox is still paused
-        repo.transition(s, sid, S.PAUSED, operation="resume", error=error, **gone)
+        repo.transition(s, sid, S.PAUSED, operation="resume", error=error, vmm_pid=None, slot_index=None)
         return
     if error is not None and current in (S.CREATING, S.RUNNING, S.PAUSING, S.SNAPSHOTTING, S.FORKING):
         repo.transition(s, sid, S.ERROR, operation=reason if current != S.CREATING else operation,
-                        error=error, **gone)
+                        error=error, vmm_pid=None, slot_index=None)
         return
     if current in (S.RUNNING, S.CREATING, S.ERROR, S.PAUSING, S.SNAPSHOTTING, S.FORKING):
         repo.transition(s, sid, S.KILLING, operation=reason)
         current = S.KILLING
     if current == S.KILLING:
-        repo.transition(s, sid, S.KILLED, operation=reason, error=error, **gone)
+        repo.transition(s, sid, S.KILLED, operation=reason, error=error, vmm_pid=None, slot_index=None)
 
 
 def _only_cancelled(exc: BaseException) -> bool:

@@ -5,9 +5,10 @@
     run_node
     └── nursery (node)
         ├── signal watcher            SIGTERM / SIGINT -> graceful shutdown
-        ├── services, in order        API server, TTL timer wheel, cache janitor,
-        │                             pool refillers, metrics sampler, ...
-        └── (each sandbox's nursery is owned by the sandbox manager service)
+        └── one cancel scope per service, in start order (runtime/assemble.py):
+            host-network, storage, slots, local-gc, snapshot-operations,
+            sandboxes (a task per running sandbox), templates, ttl,
+            periodic-snapshots, repository-gc, api
 
 Start: migrate the database, record the node as running, run the reconcilers
 (reality and the database agree before anything is served), then start the
@@ -15,19 +16,23 @@ services one by one (``nursery.start`` waits until each is ready).
 
 Shutdown (SIGTERM/SIGINT, or ``Node.request_shutdown``): stop admitting new
 operations, let in-flight ones finish for up to ``node.shutdown_grace_s``
-(each commits its outcome or rolls back in shielded cleanup), then cancel the
-nursery and record the node as stopped. A second signal cancels at once.
+(each commits its outcome or rolls back in shielded cleanup), then stop the
+services one at a time in reverse start order, each fully before the next
+(the API before the sandboxes, the sandboxes before the slot pool and the
+cache they use), and record the node as stopped. A second signal cancels
+everything at once.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import dataclass, field
 from typing import Callable
 
 import trio
 
-from .node import Node
+from .node import Node, Service
 
 __all__ = ["run_node"]
 
@@ -45,6 +50,30 @@ async def _watch_signals(shutdown: trio.Event, cancel_now: Callable[[], None]) -
             shutdown.set()
 
 
+@dataclass
+class _Running:
+    """A started service: its own cancel scope, and an event set once it has fully stopped."""
+
+    service: Service
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    stopped: trio.Event = field(default_factory=trio.Event)
+
+    async def stop(self) -> None:
+        self.scope.cancel()
+        await self.stopped.wait()
+
+
+async def _host(service: Service, *, task_status: trio.TaskStatus[_Running]) -> None:
+    running = _Running(service)
+    try:
+        with running.scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(service.run)
+                task_status.started(running)
+    finally:
+        running.stopped.set()
+
+
 async def run_node(
     node: Node,
     *,
@@ -60,9 +89,10 @@ async def run_node(
         async with trio.open_nursery() as nursery:
             if handle_signals:
                 nursery.start_soon(_watch_signals, node.shutdown, nursery.cancel_scope.cancel)
+            started: list[_Running] = []
             for service in node.services:
                 log.debug("starting service %s", service.name)
-                await nursery.start(service.run)
+                started.append(await nursery.start(_host, service))
             task_status.started(node)
             await node.shutdown.wait()
             node.tracker.start_draining()
@@ -71,6 +101,9 @@ async def run_node(
             if grace.cancelled_caught:
                 error = f"shutdown grace expired with operations in flight: {node.tracker.active}"
                 log.warning("%s", error)
+            for running in reversed(started):
+                log.debug("stopping service %s", running.service.name)
+                await running.stop()
             nursery.cancel_scope.cancel()
     except BaseException as exc:
         error = error or f"{type(exc).__name__}: {exc}"

@@ -26,11 +26,12 @@ def _node(cfg) -> Node:
 
 
 class Recorder:
-    """A service that records when it starts and stops."""
+    """A service that records when it starts and stops (its cleanup taking ``stop_s``)."""
 
-    def __init__(self, name: str, log: list[str]) -> None:
+    def __init__(self, name: str, log: list[str], stop_s: float = 0.0) -> None:
         self.name = name
         self.log = log
+        self.stop_s = stop_s
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.log.append(f"start {self.name}")
@@ -38,6 +39,8 @@ class Recorder:
         try:
             await trio.sleep_forever()
         finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(self.stop_s)
             self.log.append(f"stop {self.name}")
 
 
@@ -64,6 +67,18 @@ async def test_reconcilers_run_before_services_and_shutdown_stops_all(node_confi
     with db.session() as s:
         assert s.get(NodeRow, node.node_id).state == "stopped"
     assert _node_events(db) == [("node_start", None), ("node_stop", None)]
+
+
+async def test_services_stop_one_at_a_time_in_reverse_start_order(node_config) -> None:
+    """A service is stopped only once every service started after it has fully stopped: the sandboxes end
+    before the slot pool and the cache they use close, even when their cleanup takes time (0.2 s here)."""
+    node = _node(node_config)
+    log: list[str] = []
+    node.services += [Recorder("pool", log), Recorder("sandboxes", log, stop_s=0.2), Recorder("api", log)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: run_node(node, handle_signals=False, task_status=task_status))
+        node.request_shutdown()
+    assert log == ["start pool", "start sandboxes", "start api", "stop api", "stop sandboxes", "stop pool"]
 
 
 async def test_in_flight_operation_finishes_and_new_ones_are_refused(node_config) -> None:

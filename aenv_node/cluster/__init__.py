@@ -1,1 +1,0 @@
-"""Gateway and scheduler for multi-node deployments (later)."""

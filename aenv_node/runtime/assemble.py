@@ -1,0 +1,56 @@
+"""Putting a node together: its parts, its reconciler and its services, in start order.
+
+``install_sandbox_services(node)`` adds to ``node.services`` (started in this
+order by ``run_node``, stopped in the reverse order) and ``node.reconcilers``:
+
+====================  ==========================================================
+host-network          host tables for the slot range (refuses an overlapping one)
+storage               layer cache + janitor, capture buffers, the repository
+slots                 the warm pool of network slots
+local-gc              start-up sweep, then a collection per request
+snapshot-operations   publishes and compactions after pauses
+sandboxes             the nursery every running sandbox is a task in
+templates             the default template kept built for the current kit
+ttl                   pauses or kills sandboxes at their end
+periodic-snapshots    a snapshot of every running sandbox per interval
+repository-gc         collects the shared repository per interval
+====================  ==========================================================
+
+It returns the ``SandboxService`` the API serves (the API server goes last).
+"""
+
+from __future__ import annotations
+
+from ..snapshot.operations import SnapshotOperations
+from .host import HostNetwork
+from .housekeeping import LocalGc, RepositoryGc
+from .lifetimes import PeriodicSnapshots, TtlWheel
+from .node import Node
+from .parts import NodeParts
+from .reconcile import Reconciler
+from .registry import LiveSandboxes
+from .sandboxes import SandboxService
+from .slots import SlotService
+from .storage import StorageService
+from .templates import TemplateService
+
+__all__ = ["install_sandbox_services"]
+
+
+def install_sandbox_services(node: Node, *, build_default_template: bool = True) -> SandboxService:
+    cfg = node.cfg
+    parts = NodeParts.build(cfg, node.db, node.node_id)
+    registry = LiveSandboxes(parts)
+    ops = SnapshotOperations(
+        node.db, store=parts.store, gc=parts.gc, repository=parts.repository, buffers=parts.capture_buffers,
+        launcher=registry, node_id=node.node_id, owner=parts.owner, vmm_name=parts.driver.name,
+        default_timeout_s=cfg.sandbox.default_timeout_s, fork_max_count=cfg.sandbox.fork_max_count,
+        compact_after_layers=cfg.snapshot.compact_after_layers)
+    templates = TemplateService(parts, build_default=build_default_template)
+    service = SandboxService(node, parts, registry, ops, templates)
+    node.reconcilers.append(Reconciler(parts, ops))
+    node.services.extend([
+        HostNetwork(parts), StorageService(parts), SlotService(parts), LocalGc(parts), ops, registry, templates,
+        TtlWheel(service), PeriodicSnapshots(service), RepositoryGc(parts),
+    ])
+    return service

@@ -1,0 +1,83 @@
+"""Sandbox lifetimes: the TTL wheel and periodic snapshots.
+
+``TtlWheel`` ends every running sandbox whose ``end_at`` passed: paused
+(autoPause, the default) or killed. ``PeriodicSnapshots`` snapshots every
+running sandbox each ``snapshot.periodic_interval_s`` (0: off), keeping only
+its newest periodic snapshot: after a node crash the reconciler turns a
+sandbox that has one into a paused sandbox at that snapshot instead of a
+killed one, so long trajectories lose at most one interval.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ..state import Sandbox, SandboxState, utcnow
+from .sandboxes import SandboxService
+
+__all__ = ["TtlWheel", "PeriodicSnapshots"]
+
+log = logging.getLogger(__name__)
+
+
+class TtlWheel:
+    name = "ttl"
+
+    def __init__(self, sandboxes: SandboxService) -> None:
+        self.sandboxes = sandboxes
+        self._expiring: set[str] = set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        interval = self.sandboxes.cfg.sandbox.ttl_check_interval_s
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                await trio.sleep(interval)
+                now = utcnow()
+
+                def expired(s: Session) -> list[tuple[str, bool]]:
+                    return [(sid, auto) for sid, auto in s.execute(select(Sandbox.id, Sandbox.auto_pause).where(
+                        Sandbox.state == SandboxState.RUNNING, Sandbox.end_at <= now)).all()]
+
+                for sid, auto_pause in await self.sandboxes.db.run(expired):
+                    if self.sandboxes.registry.get(sid) is not None and sid not in self._expiring:
+                        self._expiring.add(sid)
+                        log.info("sandbox %s reached its end: %s", sid, "pausing" if auto_pause else "killing")
+                        nursery.start_soon(self._expire, sid, auto_pause)
+
+    async def _expire(self, sid: str, auto_pause: bool) -> None:
+        try:
+            if auto_pause:
+                await self.sandboxes.pause(sid, reason="timeout")
+            else:
+                await self.sandboxes.kill(sid, reason="timeout")
+        except Exception as exc:  # the sandbox may have gone meanwhile
+            log.info("end of %s: %s", sid, exc)
+        finally:
+            self._expiring.discard(sid)
+
+
+class PeriodicSnapshots:
+    name = "periodic-snapshots"
+
+    def __init__(self, sandboxes: SandboxService) -> None:
+        self.sandboxes = sandboxes
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        interval = self.sandboxes.cfg.snapshot.periodic_interval_s
+        if interval <= 0:
+            return
+        while True:
+            await trio.sleep(interval)
+            for sid, handle in list(self.sandboxes.registry.live.items()):
+                if handle.op_lock.locked() or handle.done.is_set():
+                    continue
+                try:
+                    await self.sandboxes.periodic_snapshot(handle)
+                except Exception as exc:
+                    log.warning("periodic snapshot of %s failed: %s", sid, exc)

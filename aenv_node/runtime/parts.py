@@ -1,0 +1,109 @@
+"""The parts of a node that its services share, built once from the configuration.
+
+A node's services (``host``, ``storage``, ``slots``, the sandbox registry, the
+snapshot operations, the TTL wheel, ...) work on the same VMM driver, shared
+repository, layer cache, warm slot pool, capture buffers, snapshot store and
+garbage collector. ``NodeParts`` holds them with their lifetimes made plain:
+what can be built synchronously is built here (no I/O beyond reading the
+configuration); what must be opened (the layer cache, the slot pool) is set by
+the one service that owns it for as long as it runs, and is ``None`` before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..config import Config
+from ..net import NetworkConfig, SlotPool
+from ..snapshot.gc import GarbageCollector, LiveStack
+from ..snapshot.publish import owner_id
+from ..snapshot.store import SnapshotStore
+from ..state import Database
+from ..storage.cache import LayerCache
+from ..storage.repository import Repository, open_repository
+from ..vmm import Accel, VmmDriver, make_driver
+from ..vmm.capture_buffer import CaptureBufferPool
+from .errors import NodeNotReady
+
+__all__ = ["NodeParts", "node_tag"]
+
+log = logging.getLogger(__name__)
+
+
+def node_tag(cfg: Config) -> str:
+    """A short tag (4 chars) naming this node's network objects, stable across restarts."""
+    digest = hashlib.sha256(f"{cfg.state_dir.resolve()}".encode()).digest()
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "".join(alphabet[b % 36] for b in digest[:4])
+
+
+def _which(binary: str) -> Path:
+    found = shutil.which(binary)
+    return Path(found) if found else Path(binary)
+
+
+def _open_repository(cfg: Config) -> Repository:
+    st = cfg.storage
+    if st.repository == "s3":
+        conditional = {"auto": None, "true": True, "false": False}[st.s3_conditional_writes]
+        return open_repository("s3", endpoint_url=st.s3_endpoint, bucket=st.s3_bucket, region=st.s3_region,
+                               prefix=st.s3_prefix, conditional_writes=conditional)
+    return open_repository("posix_fs", path=str(cfg.repository_path))
+
+
+@dataclass
+class NodeParts:
+    """See the module docstring. ``live_stacks`` is set by the sandbox registry: the collector asks it what
+    the running sandboxes use."""
+
+    cfg: Config
+    db: Database
+    node_id: str
+    netcfg: NetworkConfig
+    driver: VmmDriver
+    accel: Accel
+    #: templates get a free-page-reporting balloon (QEMU only: Firecracker refuses it on copy-on-write
+    #: memory); sandboxes restored from them inherit it
+    free_page_reporting: bool
+    repository: Repository
+    capture_buffers: CaptureBufferPool
+    store: SnapshotStore
+    gc: GarbageCollector
+    owner: str
+    cache: Optional[LayerCache] = None
+    pool: Optional[SlotPool] = None
+    live_stacks: Callable[[], list[LiveStack]] = field(default=lambda: [])
+
+    @classmethod
+    def build(cls, cfg: Config, db: Database, node_id: str) -> "NodeParts":
+        choice = make_driver(cfg.vmm.kind, accel_override=cfg.vmm.accel, qemu_binary=_which(cfg.vmm.qemu_binary),
+                             firecracker_binary=Path(cfg.vmm.firecracker_binary),
+                             tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb, qemu_mem_merge=cfg.vmm.ksm,
+                             tcg_restore_tb_size_mib=cfg.vmm.tcg_tb_size_restore_mb,
+                             qemu_cow_discard=cfg.vmm.free_page_reporting)
+        log.info("VMM %s with %s (%s)", choice.driver.name, choice.accel.value, choice.info.reason)
+        store = SnapshotStore(db, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir)
+        parts: NodeParts
+        gc = GarbageCollector(db, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
+                              live=lambda: parts.live_stacks(), orphan_grace_s=cfg.snapshot.gc_orphan_grace_s,
+                              interval_s=cfg.snapshot.gc_interval_s, patience_s=cfg.snapshot.gc_patience_s)
+        tag = node_tag(cfg)
+        parts = cls(
+            cfg=cfg, db=db, node_id=node_id,
+            netcfg=NetworkConfig(node_tag=tag, pool_cidr=cfg.net.pool_cidr, egress=cfg.net.egress),
+            driver=choice.driver, accel=choice.accel,
+            free_page_reporting=cfg.vmm.free_page_reporting and choice.driver.name == "qemu",
+            repository=_open_repository(cfg),
+            capture_buffers=CaptureBufferPool(cfg.snapshot.capture_buffer_mib << 20, cfg.snapshot.capture_buffers),
+            store=store, gc=gc, owner=owner_id(node_id, tag))
+        return parts
+
+    def running_pool(self) -> SlotPool:
+        if self.pool is None:
+            raise NodeNotReady("the sandbox service is not running (no network slot pool)")
+        return self.pool

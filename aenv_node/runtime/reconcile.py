@@ -1,0 +1,117 @@
+"""Start-up reconciliation: the database and reality agree before anything is served.
+
+Run through ``Node.reconcilers`` (before any service starts). A node that
+stopped without pausing its sandboxes (a crash, SIGKILL) left rows saying
+creating, running, pausing, ... and perhaps VMM processes, network namespaces,
+sockets and uppers. Each such sandbox becomes:
+
+* paused, if it was resuming (its pause snapshot is intact);
+* paused at its newest periodic snapshot, if it has one (published again, so
+  the repository's record says paused instead of running here);
+* killed otherwise, with the reason in its event.
+
+Then what its run left is removed: the VMM (by the pid the row recorded, and
+only if that process is this sandbox's), its run and work directories, its
+repository ownership record, and every network slot of this node's range.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from ..net import remove_orphans
+from ..snapshot.operations import SnapshotOperations
+from ..snapshot.publish import settle_record
+from ..snapshot.store import SnapshotStore
+from ..state import NetworkSlot, Sandbox, SandboxState
+from ..state import repository as repo
+from .node import Node
+from .parts import NodeParts
+
+__all__ = ["Reconciler", "LIVE_STATES"]
+
+log = logging.getLogger(__name__)
+
+S = SandboxState
+
+#: States in which a sandbox holds a VMM process on this node.
+LIVE_STATES = (S.CREATING, S.RUNNING, S.PAUSING, S.RESUMING, S.SNAPSHOTTING, S.FORKING, S.KILLING)
+
+
+def _is_our_vmm(pid: int, sandbox_id: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return sandbox_id.encode() in cmdline
+
+
+def _settle_rows(s: Session) -> tuple[list[tuple[str, Optional[int]]], list[tuple[str, str]]]:
+    """Every sandbox the previous run left live, settled; (sandbox, pid) found, (snapshot, sandbox) to
+    publish again."""
+    found: list[tuple[str, Optional[int]]] = []
+    republish: list[tuple[str, str]] = []
+    for sb in s.scalars(select(Sandbox).where(Sandbox.state.in_(LIVE_STATES))):
+        found.append((sb.id, sb.vmm_pid))
+        current = sb.state
+        if current == S.RESUMING:
+            # its pause snapshot is intact: it is still paused
+            repo.transition(s, sb.id, S.PAUSED, operation="reconcile", vmm_pid=None, slot_index=None)
+            continue
+        periodic = SnapshotStore.latest_periodic(s, sb.id)
+        if periodic is not None and current in (S.RUNNING, S.SNAPSHOTTING, S.FORKING, S.PAUSING):
+            if current != S.PAUSING:
+                repo.transition(s, sb.id, S.PAUSING, operation="reconcile")
+            repo.transition(s, sb.id, S.PAUSED, operation="reconcile", snapshot_id=periodic.id, vmm_pid=None,
+                            slot_index=None, detail={"reason": "the node restarted: paused at its latest "
+                                                               "periodic snapshot", "snapshot_id": periodic.id})
+            republish.append((periodic.id, sb.id))
+            continue
+        if current != S.KILLING:
+            repo.transition(s, sb.id, S.KILLING, operation="reconcile")
+        repo.transition(s, sb.id, S.KILLED, operation="reconcile", vmm_pid=None, slot_index=None,
+                        detail={"reason": "the node restarted; its VMM did not survive"})
+    s.execute(delete(NetworkSlot))
+    return found, republish
+
+
+class Reconciler:
+    """The node's reconciler (``Node.reconcilers``); see the module docstring."""
+
+    def __init__(self, parts: NodeParts, ops: SnapshotOperations) -> None:
+        self.parts = parts
+        self.ops = ops
+
+    async def __call__(self, node: Node) -> None:
+        p = self.parts
+        await remove_orphans(p.netcfg)
+        found, republish = await p.db.run(_settle_rows)
+        for snapshot_id, sid in republish:
+            # published as a pause once the operations run, so its repository record says paused (and other
+            # nodes may resume it) instead of running on this node
+            self.ops.after_pause(snapshot_id, sid)
+        for sid, pid in found:
+            if pid and _is_our_vmm(pid, sid):
+                log.warning("reconcile: killing leftover VMM %d of sandbox %s", pid, sid)
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            # its sockets and its writable upper died with it (a pause's state is in its snapshot)
+            shutil.rmtree(p.cfg.run_dir / sid, ignore_errors=True)
+            shutil.rmtree(p.cfg.sandboxes_dir / sid, ignore_errors=True)
+        for sid, _ in found:  # a record naming this node as running would make other nodes refuse it
+            try:
+                await settle_record(p.db, p.repository, sid, p.owner)
+            except Exception as exc:  # the repository may be unreachable: other nodes then see a stale owner
+                log.warning("settling the ownership record of %s failed: %s", sid, exc)
+        removed = await remove_orphans(p.netcfg)
+        if removed or found:
+            log.info("reconcile: %d sandboxes settled, %d orphan slots removed", len(found), len(removed))

@@ -1,0 +1,225 @@
+"""The sandbox service: what the API (and the CLI through it) asks of the node's sandboxes.
+
+Create, kill and resolve live here, on the registry of running sandboxes;
+pause, snapshot, fork and resume are the snapshot operations'
+(``snapshot/operations.py``). Every state-changing call is admitted by the
+node's operation tracker first, so a draining node answers ``NodeDraining``
+(503) and a shutdown waits for the calls in flight.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Optional
+
+import trio
+from sqlalchemy.orm import Session
+
+from ..config import Config
+from ..net import EgressPolicy
+from ..snapshot.envd import envd_metrics
+from ..snapshot.operations import Launch, SnapshotOperations
+from ..snapshot.publish import forget_published, settle_record
+from ..state import Database, Sandbox, SandboxState, utcnow
+from ..state import repository as repo
+from .errors import SandboxNotRunning
+from .node import Node
+from .parts import NodeParts
+from .registry import LiveSandboxes, StoppedHook
+from .sandbox import SandboxHandle
+from .templates import TemplateService, envd_version
+
+__all__ = ["CreateRequest", "SandboxService"]
+
+log = logging.getLogger(__name__)
+
+S = SandboxState
+
+
+@dataclass
+class CreateRequest:
+    template: str
+    timeout_s: int
+    metadata: dict[str, str]
+    env_vars: dict[str, str]
+    auto_pause: bool = True
+    auto_resume: bool = False
+    allow_internet_access: bool = True
+    allow_out: Optional[list[str]] = None
+    deny_out: Optional[list[str]] = None
+    #: False: the proxy requires the sandbox's traffic token on every port but envd's
+    allow_public_traffic: bool = True
+
+
+class SandboxService:
+    """See the module docstring."""
+
+    def __init__(self, node: Node, parts: NodeParts, registry: LiveSandboxes, ops: SnapshotOperations,
+                 templates: TemplateService) -> None:
+        self.node = node
+        self.parts = parts
+        self.registry = registry
+        self.ops = ops
+        self.templates = templates
+        self.cfg: Config = node.cfg
+        self.db: Database = node.db
+        registry.stopped_hooks.append(self._settle_record)
+
+    @property
+    def live(self) -> dict[str, SandboxHandle]:
+        return self.registry.live
+
+    @property
+    def stopped_hooks(self) -> list[StoppedHook]:
+        return self.registry.stopped_hooks
+
+    # -- create, kill, resolve -------------------------------------------------------------------------
+    async def create(self, req: CreateRequest) -> Sandbox:
+        async with self.node.tracker.operation("create"), self.parts.gc.pin():
+            t, sn = await self.templates.resolve(req.template)
+            source = await self.parts.store.load(sn.id)
+            sid = "i" + secrets.token_hex(10)
+            token = secrets.token_urlsafe(24)  # always secured, as E2B: envd requires it
+            traffic = None if req.allow_public_traffic else secrets.token_urlsafe(24)
+            now = utcnow()
+            policy = EgressPolicy.from_e2b(req.allow_out, req.deny_out,
+                                           allow_internet_access=req.allow_internet_access)
+            # a snapshot used as a template carries the env vars of the sandbox it came from
+            env_vars = {**source.env_vars, **req.env_vars}
+            row = Sandbox(
+                id=sid, template_id=t.id, alias=t.alias, node_id=self.node.node_id, client_id=self.node.node_id,
+                cpu_count=t.cpu_count, memory_mb=t.memory_mb, disk_size_mb=t.disk_size_mb,
+                envd_version=t.envd_version or envd_version(), envd_access_token=token,
+                traffic_access_token=traffic,
+                metadata_=req.metadata, env_vars=env_vars, auto_pause=req.auto_pause,
+                auto_resume=req.auto_resume, allow_internet_access=req.allow_internet_access,
+                network_policy={k: v for k, v in (("allowOut", req.allow_out), ("denyOut", req.deny_out)) if v},
+                snapshot_id=sn.id, vmm=self.parts.driver.name, started_at=now,
+                end_at=now + dt.timedelta(seconds=req.timeout_s))
+            await self.db.run(lambda s: repo.insert_sandbox(s, row))
+            await self.registry.launch(Launch(sid, source, env_vars=env_vars, access_token=token,
+                                              previous_token=source.access_token, policy=policy,
+                                              operation="create", traffic_token=traffic))
+            return await self.db.run(lambda s: repo.get_sandbox(s, sid))
+
+    async def kill(self, sandbox_id: str, *, reason: str = "kill") -> bool:
+        """Kill a sandbox; False if it does not exist (or is already killed)."""
+        killed = await self._kill(sandbox_id, reason=reason)
+        if killed:
+            # another node sharing the repository must not resume it any more
+            await trio.to_thread.run_sync(self._forget_published, sandbox_id)
+            self.parts.gc.request("kill")
+        return killed
+
+    def _forget_published(self, sandbox_id: str) -> None:
+        """Delete the sandbox's record in the repository if this node owns it (blocking)."""
+        try:
+            forget_published(self.parts.repository, sandbox_id, self.parts.owner)
+        except Exception as exc:
+            log.warning("removing the published pointer of %s failed: %s", sandbox_id, exc)
+
+    async def _kill(self, sandbox_id: str, *, reason: str) -> bool:
+        handle = self.registry.get(sandbox_id)
+        if handle is None:
+            def work(s: Session) -> bool:
+                sb = s.get(Sandbox, sandbox_id)
+                if sb is None or sb.state == S.KILLED:
+                    return False
+                # no process on this node (paused, or error): just record the kill
+                if sb.state != S.KILLING:
+                    repo.transition(s, sandbox_id, S.KILLING, operation=reason)
+                repo.transition(s, sandbox_id, S.KILLED, operation=reason)
+                return True
+
+            return await self.db.run(work)
+        async with self.node.tracker.operation("kill"), handle.op_lock:
+            if handle.done.is_set():
+                return True
+            await self.db.run(lambda s: repo.transition(s, sandbox_id, S.KILLING, operation=reason,
+                                                        expect=[S.RUNNING, S.ERROR]))
+            handle.request_stop(reason)
+            await handle.done.wait()
+        return True
+
+    async def _settle_record(self, sandbox_id: str) -> None:
+        """A sandbox ended here without a pause or a kill (VMM died, node restarted): drop its repository
+        ownership record if it still says running here (snapshot/publish.py ``settle_record``)."""
+        try:
+            await settle_record(self.db, self.parts.repository, sandbox_id, self.parts.owner)
+        except Exception as exc:  # the repository may be unreachable: other nodes then see a stale owner
+            log.warning("settling the ownership record of %s failed: %s", sandbox_id, exc)
+
+    async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
+        """The live sandbox for proxied traffic; a paused one with autoResume is resumed first."""
+        handle = self.registry.get(sandbox_id)
+        if handle is not None:
+            return handle
+
+        def auto(s: Session) -> bool:
+            sb = s.get(Sandbox, sandbox_id)
+            return sb is not None and sb.auto_resume and sb.state in (S.PAUSED, S.RESUMING, S.PAUSING)
+
+        if await self.db.run(auto):
+            try:
+                await self.resume(sandbox_id)
+            except Exception as exc:
+                raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found ({exc})") from None
+            handle = self.registry.get(sandbox_id)
+            if handle is not None:
+                return handle
+        raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
+
+    # -- the snapshot operations, admitted ---------------------------------------------------------------
+    async def pause(self, sandbox_id: str, *, reason: str = "pause") -> None:
+        async with self.node.tracker.operation("pause"):
+            await self.ops.pause(sandbox_id, reason=reason)
+
+    async def resume(self, sandbox_id: str, *, timeout_s: Optional[int] = None) -> tuple[Sandbox, bool]:
+        async with self.node.tracker.operation("resume"):
+            return await self.ops.resume(sandbox_id, timeout_s=timeout_s)
+
+    async def snapshot(self, sandbox_id: str, *, name: Optional[str] = None) -> str:
+        async with self.node.tracker.operation("snapshot"):
+            return await self.ops.snapshot(sandbox_id, name=name)
+
+    async def fork(self, sandbox_id: str, *, count: int, timeout_s: Optional[int]) -> list[Sandbox | Exception]:
+        async with self.node.tracker.operation("fork"):
+            return await self.ops.fork(sandbox_id, count=count, timeout_s=timeout_s)
+
+    async def periodic_snapshot(self, handle: SandboxHandle) -> Optional[str]:
+        async with self.node.tracker.operation("periodic_snapshot"):
+            return await self.ops.periodic_snapshot(handle)
+
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Delete a user snapshot (a template built from a running sandbox)."""
+        deleted = await self.parts.store.delete_user_snapshot(snapshot_id)
+        if deleted:
+            self.parts.gc.request("snapshot_delete")  # its files go once no sandbox runs from it
+        return deleted
+
+    # -- settings and observations ------------------------------------------------------------------------
+    async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
+        """The sandbox now ends ``timeout_s`` seconds from now (E2B set_timeout semantics)."""
+        await self.db.run(repo.set_end, sandbox_id, timeout_s)
+
+    async def update_network(self, sandbox_id: str, *, allow_out: Optional[list[str]],
+                             deny_out: Optional[list[str]]) -> None:
+        """E2B PUT /sandboxes/{id}/network: replace the egress policy (live slots at once)."""
+        sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
+        policy = EgressPolicy.from_e2b(allow_out, deny_out, allow_internet_access=sb.allow_internet_access)
+        handle = self.registry.get(sandbox_id)
+        if handle is not None:
+            await handle.slot.apply_egress(policy)
+        stored = {k: v for k, v in (("allowOut", allow_out), ("denyOut", deny_out)) if v}
+        await self.db.run(lambda s: repo.update_sandbox(s, sandbox_id, operation="update_network",
+                                                        detail=stored, network_policy=stored))
+
+    async def guest_metrics(self, sandbox_id: str) -> Optional[dict[str, object]]:
+        """envd's metrics of a running sandbox; None when it does not run on this node."""
+        handle = self.registry.get(sandbox_id)
+        if handle is None:
+            return None
+        return await envd_metrics(handle.address, access_token=handle.access_token)
