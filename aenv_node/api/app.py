@@ -1,32 +1,79 @@
-"""The Quart-trio application: routes from the table, auth, errors, metrics.
+"""The Quart-trio application: routes from the table, auth, bodies, errors, metrics.
 
-``create_app(node)`` builds the app for one ``Node``. Handlers live in
-``handlers/`` keyed by operation id; a route of the table without a handler
-answers 501 in the E2B error shape.
+``create_app(node, sandboxes=...)`` builds the app for one ``Node`` and its
+sandbox service (None: the node serves only what needs no sandbox service; the
+lifecycle routes answer 501). Handlers live in ``handlers/`` keyed by
+operation id; a route of the table without a handler answers 501 in the E2B
+error shape.
+
+The view around each handler does what the route table declares, so handlers
+do not: it parses the route's request model from the body (400/422 before the
+handler runs) and serializes what the handler returns with the route's
+success status, checking that it is the declared response model (a handler
+that returned something else would make the OpenAPI document lie).
 """
 
 from __future__ import annotations
 
 import hmac
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Optional
 
-from quart import Quart, Response, g, request
+from quart import Quart, Response, g, jsonify, request
 from quart_trio import QuartTrio
 
 from ..runtime import Node
+from .body import parse_body
+from .context import ApiContext, Handler, HandlerResult, Reply, SandboxService
 from .errors import error_response, install_error_handlers
 from .handlers import HANDLERS
 from .metrics import ApiMetrics
+from .models import ResponseModel
 from .openapi import build_openapi
 from .routes import ROUTES, Route, quart_path
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "API_CONTEXT"]
 
-Handler = Callable[..., Awaitable[Any]]
+#: ``app.extensions`` key of the ``ApiContext`` (the node and its sandbox service).
+API_CONTEXT = "aenv_api"
 
 
-def _make_view(route: Route, handler: Handler | None, node: Node) -> Callable[..., Awaitable[Any]]:
+def _checked(route: Route, body: ResponseModel | Sequence[ResponseModel]) -> Any:
+    """The JSON of ``body``, after checking it is what the route table declares."""
+    items = list(body) if not isinstance(body, ResponseModel) else [body]
+    if isinstance(body, ResponseModel) == route.response_is_list or route.response is None or \
+            not all(isinstance(m, route.response) for m in items):
+        raise TypeError(f"handler of {route.operation_id} returned {type(body).__name__}, "
+                        f"not the declared {'list of ' if route.response_is_list else ''}"
+                        f"{route.response.__name__ if route.response else 'no body'}")
+    if isinstance(body, ResponseModel):
+        return body.to_json()
+    return [m.to_json() for m in items]
+
+
+def _render(route: Route, result: HandlerResult) -> Response:
+    if isinstance(result, Response):
+        return result
+    status, headers = route.success, {}
+    body: ResponseModel | Sequence[ResponseModel] | None
+    if isinstance(result, Reply):
+        status = result.status or route.success
+        headers = dict(result.headers)
+        body = result.body
+    else:
+        body = result
+    if body is None:
+        resp = Response("", status=status)
+    else:
+        resp = jsonify(_checked(route, body))
+        resp.status_code = status
+    for k, v in headers.items():
+        resp.headers[k] = v
+    return resp
+
+
+def _make_view(route: Route, handler: Optional[Handler], api: ApiContext) -> Callable[..., Awaitable[Response]]:
     if handler is None:
         async def not_implemented(**_params: str) -> Response:
             return error_response(
@@ -35,21 +82,27 @@ def _make_view(route: Route, handler: Handler | None, node: Node) -> Callable[..
 
         return not_implemented
 
-    async def view(**params: str) -> Any:
-        return await handler(node, **params)
+    async def view(**params: str) -> Response:
+        kwargs: dict[str, Any] = dict(params)
+        if route.request is not None:
+            kwargs["body"] = await parse_body(route.request)
+        return _render(route, await handler(api, **kwargs))
 
     return view
 
 
-def create_app(node: Node, *, extra_handlers: dict[str, Handler] | None = None) -> Quart:
+def create_app(node: Node, *, sandboxes: Optional[SandboxService] = None,
+               extra_handlers: Optional[dict[str, Handler]] = None) -> Quart:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     handlers = {**HANDLERS, **(extra_handlers or {})}
     by_endpoint: dict[str, Route] = {}
     metrics = ApiMetrics(node)
+    api = ApiContext(node, sandboxes)
     app.extensions["aenv_metrics"] = metrics
     app.extensions["aenv_node"] = node
+    app.extensions[API_CONTEXT] = api
 
     for route in ROUTES:
         endpoint = route.operation_id
@@ -57,7 +110,7 @@ def create_app(node: Node, *, extra_handlers: dict[str, Handler] | None = None) 
         app.add_url_rule(
             quart_path(route.path),
             endpoint=endpoint,
-            view_func=_make_view(route, handlers.get(route.operation_id), node),
+            view_func=_make_view(route, handlers.get(route.operation_id), api),
             methods=[route.method],
             strict_slashes=False,
         )

@@ -1,62 +1,95 @@
-"""Request-body parsing with E2B-shaped errors.
+"""Request bodies: read the JSON, validate it with its model, answer in E2B's error shape.
 
 A body that is not JSON is a 400; JSON of the wrong shape (a missing required
-field, a field of the wrong type, an unknown enum value) is a 422 naming the
-field, so a user sees exactly what to fix.
+field, a field of the wrong type, a value out of range) is a 422 naming the
+field, so a user sees exactly what to fix (``field 'timeout' must be an
+integer, got str``). The rules themselves live in the models (``models.py``);
+this module only turns pydantic's error list into one sentence.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import json
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from quart import request
 
 from .errors import ApiError
+from .models import RequestModel
 
-__all__ = ["json_body", "field"]
+__all__ = ["parse_body", "validate_body", "describe_error"]
+
+M = TypeVar("M", bound=RequestModel)
+
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "float_type": "a number",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "list_type": "an array",
+}
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number",
+               type(None): "null"}
 
 
-class _Field:
-    def __init__(self, types: type | tuple[type, ...], required: bool = False, *, minimum: int | None = None):
-        self.types = types if isinstance(types, tuple) else (types,)
-        self.required = required
-        self.minimum = minimum
+def _location(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
 
 
-def field(types: type | tuple[type, ...], required: bool = False, *, minimum: int | None = None) -> _Field:
-    return _Field(types, required, minimum=minimum)
+def describe_error(err: ErrorDetails) -> str:
+    """One user-facing sentence for one pydantic error, naming the field by its wire name."""
+    name = _location(err["loc"])
+    kind = err["type"]
+    ctx: dict[str, Any] = dict(err.get("ctx") or {})
+    if kind == "missing":
+        return f"field {name!r} is required"
+    if kind in _TYPE_NAMES:
+        got = _JSON_TYPES.get(type(err["input"]), type(err["input"]).__name__)
+        return f"field {name!r} must be {_TYPE_NAMES[kind]}, got {got}"
+    if kind == "greater_than_equal":
+        return f"field {name!r} must be >= {ctx['ge']}"
+    if kind == "less_than_equal":
+        return f"field {name!r} must be <= {ctx['le']}"
+    if kind in ("literal_error", "enum"):
+        return f"field {name!r} must be {ctx.get('expected', 'one of the documented values')}"
+    return f"field {name!r}: {err['msg']}" if name else err["msg"]
 
 
-_NAMES = {int: "an integer", str: "a string", bool: "a boolean", dict: "an object", list: "an array",
-          float: "a number"}
+def validate_body(model: type[M], body: Any) -> M:
+    """Validate decoded JSON with ``model``; a wrong shape is a 422 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(422, "request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise ApiError(422, describe_error(errors[0]) if errors else str(exc)) from None
 
 
-async def json_body(spec: Mapping[str, _Field], *, allow_empty: bool = True) -> dict[str, Any]:
+def _needs_body(model: type[RequestModel]) -> bool:
+    return any(f.is_required() for f in model.model_fields.values())
+
+
+async def parse_body(model: type[M]) -> M:
+    """The request's JSON body as ``model``. An empty body is ``{}`` when no field is required."""
     raw = await request.get_data()
     if not raw.strip():
-        if allow_empty and not any(f.required for f in spec.values()):
-            return {}
-        raise ApiError(400, "request body must be a JSON object")
-    import json
-
+        if _needs_body(model):
+            raise ApiError(400, "request body must be a JSON object")
+        return model.model_validate({})
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(422, "request body must be a JSON object")
-    for name, f in spec.items():
-        if name not in body or body[name] is None:
-            if f.required:
-                raise ApiError(422, f"field {name!r} is required")
-            continue
-        value = body[name]
-        ok = isinstance(value, f.types) and not (
-            isinstance(value, bool) and bool not in f.types
-        )
-        if not ok:
-            wanted = " or ".join(_NAMES.get(t, t.__name__) for t in f.types)
-            raise ApiError(422, f"field {name!r} must be {wanted}, got {type(value).__name__}")
-        if f.minimum is not None and value < f.minimum:
-            raise ApiError(422, f"field {name!r} must be >= {f.minimum}")
-    return body
+    return validate_body(model, body)

@@ -1,40 +1,113 @@
-"""API errors: every failure leaves the API as E2B's JSON error shape.
+"""API errors: every failure leaves the API as E2B's JSON error shape, mapped by ONE table.
 
 The E2B SDKs parse ``{"code": <int>, "message": "<str>"}`` for every error
 status and crash on anything else (reference/e2b-protocol.md, "Errors"), so
-404/405/422/500 included, no route answers with HTML or an empty body. Domain
-errors are typed exceptions inside the node; they are mapped to HTTP here,
-once.
+404/405/422/500 included, no route answers with HTML or an empty body.
+
+Domain errors are typed exceptions of the layers below (one class per
+condition, no HTTP knowledge); ``ERROR_STATUS`` is the only place that gives
+them an HTTP status. It serves the handlers' errors, each child of a fork
+(``{"error": {code, message}}``) and the traffic proxy's resolver errors, so
+one condition answers the same status wherever it surfaces.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Optional
 
 from quart import Quart, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
 from ..config import ConfigError
 from ..net.errors import EgressPolicyError, PoolExhausted
+from ..runtime.errors import (
+    ForkLimit,
+    NodeDraining,
+    NodeNotReady,
+    SandboxConflict,
+    SandboxNotRunning,
+    SnapshotNotFound,
+    TemplateNotFound,
+    TemplateNotReady,
+)
+from ..snapshot.envd import EnvdUnavailable
 from ..state.errors import IllegalTransition, NotFound
+from ..storage.repository.errors import OwnershipConflict, OwnershipLost, OwnershipUnsupported
 
-__all__ = ["ApiError", "error_response", "install_error_handlers"]
+__all__ = ["ApiError", "ERROR_STATUS", "mapped_status", "status_for", "error_response", "install_error_handlers"]
 
 log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    """An error with an HTTP status and a message for the user."""
+    """An error the API itself decides (bad input, a 501): its status and the user's message."""
 
-    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, *, headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = headers or {}
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+#: Exception class -> HTTP status. The most specific class of an exception's MRO wins. Anything not
+#: here is a bug or an unexpected failure: 500 with the details in the node's log, not the answer.
+#: (PoolInUse is absent on purpose: it stops the node at start-up, no request can meet it.)
+ERROR_STATUS: Mapping[type[BaseException], int] = {
+    # state
+    NotFound: 404,
+    IllegalTransition: 409,
+    # bad configuration or policy given by the user
+    ConfigError: 400,
+    EgressPolicyError: 400,
+    ForkLimit: 400,
+    # runtime
+    TemplateNotFound: 404,
+    SnapshotNotFound: 404,
+    SandboxNotRunning: 404,
+    SandboxConflict: 409,
+    TemplateNotReady: 503,
+    NodeNotReady: 503,
+    NodeDraining: 503,
+    PoolExhausted: 503,
+    # the guest's agent did not answer
+    EnvdUnavailable: 502,
+    # the shared repository's ownership record (single writer across nodes)
+    OwnershipConflict: 409,
+    OwnershipLost: 404,
+    OwnershipUnsupported: 501,
+}
+
+#: Message prefixes where the exception's own text needs context for an API user.
+_PREFIX: Mapping[type[BaseException], str] = {
+    PoolExhausted: "this node has no free capacity: ",
+}
+
+
+def mapped_status(exc: BaseException) -> Optional[int]:
+    """The table's status for ``exc`` (ApiError: its own), None when it is not a known condition."""
+    if isinstance(exc, ApiError):
+        return exc.status
+    for cls in type(exc).__mro__:
+        status = ERROR_STATUS.get(cls)
+        if status is not None:
+            return status
+    return None
+
+
+def status_for(exc: BaseException) -> tuple[int, str]:
+    """(status, message) for the user; an unknown exception is a 500 that hides its details."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.message
+    status = mapped_status(exc)
+    if status is None:
+        return 500, "internal error: see the node's log"
+    prefix = next((p for cls, p in _PREFIX.items() if isinstance(exc, cls)), "")
+    return status, prefix + str(exc)
+
+
+def error_response(status: int, message: str, headers: Optional[Mapping[str, str]] = None) -> Response:
     resp = jsonify({"code": status, "message": message})
     resp.status_code = status
     for k, v in (headers or {}).items():
@@ -42,40 +115,23 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return resp
 
 
-def _status_for(exc: BaseException) -> tuple[int, str]:
-    """Map a domain exception to (status, message)."""
-    if isinstance(exc, ApiError):
-        return exc.status, exc.message
-    if isinstance(exc, NotFound):
-        return 404, str(exc)
-    if isinstance(exc, IllegalTransition):
-        return 409, str(exc)
-    if isinstance(exc, (ConfigError, EgressPolicyError)):
-        return 400, str(exc)
-    if isinstance(exc, PoolExhausted):
-        return 503, f"this node has no free capacity: {exc}"
-    status = getattr(exc, "http_status", None)
-    if isinstance(status, int):
-        return status, str(exc)
-    return 500, "internal error: see the node's log"
+_HTTP_MESSAGES = {
+    404: "route not found",
+    405: "method not allowed on this route",
+    413: "request body too large",
+}
 
 
 def install_error_handlers(app: Quart) -> None:
     @app.errorhandler(HTTPException)
-    async def _http(exc: HTTPException) -> Any:
+    async def _http(exc: HTTPException) -> Response:
         status = exc.code or 500
-        messages = {
-            404: "route not found",
-            405: "method not allowed on this route",
-            413: "request body too large",
-        }
-        message = messages.get(status, exc.description or exc.name)
-        return error_response(status, message)
+        return error_response(status, _HTTP_MESSAGES.get(status, exc.description or exc.name))
 
     @app.errorhandler(Exception)
-    async def _any(exc: Exception) -> Any:
-        status, message = _status_for(exc)
-        if status >= 500:
-            log.exception("unhandled error in API handler")
+    async def _any(exc: Exception) -> Response:
+        status, message = status_for(exc)
+        if status >= 500 and not isinstance(exc, ApiError):  # an ApiError is an answer, not a failure
+            log.exception("error in API handler")
         headers = exc.headers if isinstance(exc, ApiError) else None
         return error_response(status, message, headers)

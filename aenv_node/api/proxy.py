@@ -19,7 +19,7 @@ headers). httpcore is httpx's own HTTP/1.1 engine without that layer: connection
 pools, raw bytes both ways, cancellation-safe closing under Trio.
 
 Connection pools are per sandbox, and ``disconnect(sandbox_id)`` (called by
-the sandbox manager on kill, pause or slot release) cancels that sandbox's
+the sandbox registry on kill, pause or slot release) cancels that sandbox's
 exchanges and closes its pool: network slots are reused by other sandboxes,
 so a connection must never outlive the sandbox it was opened to, and a stream
 to a vanished guest would otherwise wait forever (reads have no timeout).
@@ -36,11 +36,8 @@ running, "... port is not open" that it runs but nothing listens.
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -48,195 +45,44 @@ from typing import Any, Self
 import httpcore
 import trio
 
-from ..state.errors import NotFound
+from .proxy_ws import proxy_websocket
+from .traffic import (
+    PORT_NOT_OPEN_MESSAGE,
+    TRAFFIC_TOKEN_HEADER,
+    ASGIApp,
+    Message,
+    ProxyReject,
+    Receive,
+    Resolution,
+    Resolver,
+    SandboxNotRunning,
+    Scope,
+    Send,
+    Target,
+    check_traffic_token,
+    connect_backoff,
+    error_body,
+    forwardable,
+    header,
+    not_found_message,
+    resolve,
+    route,
+)
 
 __all__ = [
-    "ENVD_PORT",
     "TRAFFIC_TOKEN_HEADER",
+    "PORT_NOT_OPEN_MESSAGE",
+    "ASGIApp",
+    "ProxyReject",
     "Resolution",
     "Resolver",
     "SandboxNotRunning",
     "SandboxProxy",
+    "not_found_message",
+    "route",
 ]
 
 log = logging.getLogger(__name__)
-
-ENVD_PORT = 49983
-TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-class SandboxNotRunning(Exception):
-    """Raised by a resolver: the sandbox is unknown, killed, or paused without autoResume.
-
-    The state layer's ``NotFound`` (an unknown sandbox id) is treated the same.
-    """
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """Where the traffic of one running sandbox goes, and what it requires."""
-
-    host: str                                   # address the node connects to (the slot address)
-    port_map: Callable[[int], int] | None = None  # guest port -> port to dial; None = identity
-    access_token: str | None = None          # envd's token; envd enforces it, the proxy forwards it
-    traffic_token: str | None = None         # required for non-envd ports when set
-    # Tries for a refused connection, 100 ms, 200 ms... apart: >1 just after a
-    # resume, while the guest's network comes back (E2B retries then too).
-    connect_attempts: int = 1
-
-    def upstream_port(self, port: int) -> int:
-        return self.port_map(port) if self.port_map is not None else port
-
-
-async def connect_backoff(attempt: int) -> None:
-    """Pause before retry number ``attempt`` (1-based) of a refused connection."""
-    await trio.sleep(0.1 * attempt)
-
-
-Resolver = Callable[[str, int], Awaitable[Resolution]]
-
-# Headers that describe one hop, never forwarded (RFC 9110 7.6.1), plus
-# `expect` (Hypercorn answers 100-continue itself) and framing, which is redone.
-_HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
-    b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade", b"expect",
-})
-# Header routing accepts dashes; Host routing cannot (`{port}-{id}[-client]`).
-_SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_HOST_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
-
-
-class ProxyReject(Exception):
-    """A request that is sandbox traffic but cannot be forwarded: answered as E2B JSON."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def error_body(status: int, message: str) -> bytes:
-    return json.dumps({"code": status, "message": message}).encode()
-
-
-def not_found_message(sandbox_id: str) -> str:
-    return f"The sandbox {sandbox_id} was not found"
-
-
-PORT_NOT_OPEN_MESSAGE = "The sandbox is running but port is not open"
-
-
-def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for k, v in headers:
-        if k.lower() == name:
-            return v.decode("latin-1").strip()
-    return None
-
-
-def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
-    tokens: set[bytes] = set()
-    for k, v in headers:
-        if k.lower() == b"connection":
-            tokens.update(t.strip().lower() for t in v.split(b",") if t.strip())
-    return tokens
-
-
-def forwardable(headers: Iterable[tuple[bytes, bytes]], *, drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
-    """Headers minus hop-by-hop ones (and those the Connection header names)."""
-    headers = list(headers)
-    named = _connection_tokens(headers)
-    return [(k, v) for k, v in headers
-            if (lk := k.lower()) not in _HOP_BY_HOP and lk not in named and lk not in drop]
-
-
-@dataclass(frozen=True)
-class Target:
-    sandbox_id: str
-    port: int
-
-
-def _parse_port(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
-        raise ProxyReject(400, f"invalid sandbox port {text!r}: expected a number from 1 to 65535")
-    return int(text)
-
-
-def route(headers: Iterable[tuple[bytes, bytes]], domain: str) -> Target | None:
-    """Decide whether a request is sandbox traffic, and for which sandbox port.
-
-    Headers win (what the SDKs send); then, when a domain is configured, a Host
-    of the form ``{port}-{sandboxID}[-anything].{domain}``. Raises ProxyReject
-    for malformed sandbox traffic; returns None for everything else.
-    """
-    headers = list(headers)
-    sandbox_id = _header(headers, b"e2b-sandbox-id")
-    port_text = _header(headers, b"e2b-sandbox-port")
-    if sandbox_id or port_text:
-        if not sandbox_id:
-            raise ProxyReject(400, "missing header E2b-Sandbox-Id (E2b-Sandbox-Port was given)")
-        if not port_text:
-            raise ProxyReject(400, "missing header E2b-Sandbox-Port (E2b-Sandbox-Id was given)")
-        if not _SANDBOX_ID_RE.match(sandbox_id):
-            raise ProxyReject(400, f"invalid sandbox id {sandbox_id!r}")
-        return Target(sandbox_id, _parse_port(port_text))
-    if not domain:
-        return None
-    host = _header(headers, b"host")
-    if not host:
-        return None
-    hostname = host.lower()
-    if hostname.startswith("["):  # IPv6 literal: never a sandbox host
-        return None
-    hostname = hostname.rsplit(":", 1)[0] if ":" in hostname else hostname
-    hostname = hostname.rstrip(".")
-    suffix = "." + domain.lower().strip(".")
-    if not hostname.endswith(suffix):
-        return None
-    label = hostname[: -len(suffix)]
-    if "." in label:  # only the left-most label names a sandbox port
-        return None
-    parts = label.split("-")
-    if len(parts) < 2 or not (parts[0].isascii() and parts[0].isdigit()) or not _HOST_ID_RE.match(parts[1]):
-        return None
-    return Target(parts[1], _parse_port(parts[0]))
-
-
-def check_traffic_token(resolution: Resolution, target: Target, headers: Iterable[tuple[bytes, bytes]]) -> None:
-    """E2B's rule: envd checks its own token; other ports of a secured sandbox need the traffic token."""
-    if resolution.traffic_token is None or target.port == ENVD_PORT:
-        return
-    given = _header(headers, TRAFFIC_TOKEN_HEADER.encode())
-    if not given:
-        raise ProxyReject(403, "Sandbox is secured with traffic access token. "
-                               f"Token header '{TRAFFIC_TOKEN_HEADER}' is missing")
-    if not hmac.compare_digest(given.encode(), resolution.traffic_token.encode()):
-        raise ProxyReject(403, "Sandbox is secured with traffic access token. "
-                               f"Provided token in header '{TRAFFIC_TOKEN_HEADER}' is invalid")
-
-
-async def resolve(resolver: Resolver, target: Target) -> Resolution:
-    """Await the resolver (which may resume a paused sandbox) and map its errors."""
-    try:
-        return await resolver(target.sandbox_id, target.port)
-    except (SandboxNotRunning, NotFound) as exc:
-        log.debug("sandbox %s not running: %s", target.sandbox_id, exc)
-        raise ProxyReject(502, not_found_message(target.sandbox_id)) from exc
-    except ProxyReject:
-        raise
-    except Exception as exc:
-        status = getattr(exc, "http_status", None)
-        if isinstance(status, int):
-            raise ProxyReject(status, str(exc)) from exc
-        log.exception("resolving sandbox %s failed", target.sandbox_id)
-        raise ProxyReject(500, f"failed to route the request to sandbox {target.sandbox_id}: "
-                               "see the node's log") from exc
-
 
 class _ReceivedBody:
     """The request body as an async iterator fed by the receive pump (no buffering)."""
@@ -295,7 +141,7 @@ class SandboxProxy:
     async def disconnect(self, sandbox_id: str) -> int:
         """Cut every proxied request and WebSocket of a sandbox; returns how many.
 
-        The sandbox manager calls this when a sandbox is killed or paused or its
+        The sandbox registry calls this when a sandbox is killed or paused or its
         network slot is released: without it a stream to a vanished guest would
         wait forever (reads have no timeout, on purpose), and pooled keep-alive
         connections could reach whichever sandbox gets the slot next. A request
@@ -386,8 +232,6 @@ class SandboxProxy:
         if kind == "http":
             await self._proxy_http(scope, receive, send, target)
         else:
-            from .proxy_ws import proxy_websocket
-
             await proxy_websocket(self, scope, receive, send, target)
 
     async def _reject(self, kind: str, send: Send, exc: ProxyReject) -> None:
@@ -409,8 +253,8 @@ class SandboxProxy:
             return
 
         body_send, body_recv = trio.open_memory_channel[bytes](0)
-        has_body = _header(headers, b"content-length") not in (None, "0") or \
-            _header(headers, b"transfer-encoding") is not None
+        has_body = header(headers, b"content-length") not in (None, "0") or \
+            header(headers, b"transfer-encoding") is not None
         started = False
 
         async def send_tracked(message: Message) -> None:
@@ -465,12 +309,12 @@ class SandboxProxy:
                        body: trio.MemoryReceiveChannel[bytes] | None) -> None:
         in_headers: list[tuple[bytes, bytes]] = scope["headers"]
         out_headers = forwardable(in_headers, drop=frozenset({b"content-length", b"host"}))
-        host = _header(in_headers, b"host")
+        host = header(in_headers, b"host")
         port = resolution.upstream_port(target.port)
         out_headers.insert(0, (b"host", (host or f"{resolution.host}:{port}").encode("latin-1")))
         content: Any = None
         if body is not None:
-            length = _header(in_headers, b"content-length")
+            length = header(in_headers, b"content-length")
             if length is not None:
                 out_headers.append((b"content-length", length.encode()))
             else:

@@ -28,7 +28,7 @@ from trio_websocket import (
     open_websocket,
 )
 
-from .proxy import (
+from .traffic import (
     PORT_NOT_OPEN_MESSAGE,
     ProxyReject,
     Receive,

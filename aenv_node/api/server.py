@@ -1,23 +1,50 @@
-"""The API server as a supervisor service: Hypercorn serving the Quart app."""
+"""The API server as a supervisor service: Hypercorn serving the Quart app (and the traffic proxy).
+
+The sandbox service is passed in (``ApiServer(node, sandboxes=service)``), not looked up among the
+node's services: without one the server answers the state-only routes and the lifecycle routes'
+501, and proxies no sandbox traffic.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from typing import Any, Optional, cast
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from ..runtime import Node
-from ..runtime.manager import SandboxManager
-from ..runtime.manager import SandboxNotRunning as ManagerNotRunning
 from .app import create_app
-from .proxy import Resolution, SandboxNotRunning, SandboxProxy
+from .context import SandboxService
+from .proxy import ASGIApp, Resolution, Resolver, SandboxProxy
 
 __all__ = ["ApiServer"]
 
 log = logging.getLogger(__name__)
+
+
+#: a sandbox that started running (created, resumed, forked) this recently gets its refused connections
+#: retried (100 ms, 200 ms, ... apart: 2.8 s in all), as E2B's proxy does while a restored guest's network
+#: comes back; later, a refused connection is a closed port at once
+JUST_RESTORED_S = 10.0
+JUST_RESTORED_ATTEMPTS = 8
+
+
+def sandbox_resolver(sandboxes: SandboxService) -> Resolver:
+    """The proxy's resolver over the sandbox service (which resumes an autoResume sandbox first and
+    raises ``SandboxNotRunning`` for one that does not run)."""
+
+    async def resolve(sandbox_id: str, port: int) -> Resolution:
+        handle = await sandboxes.resolve(sandbox_id, port)
+        fresh = time.monotonic() - handle.started_at < JUST_RESTORED_S
+        return Resolution(host=handle.address, access_token=handle.access_token,
+                          traffic_token=handle.traffic_token,
+                          connect_attempts=JUST_RESTORED_ATTEMPTS if fresh else 1)
+
+    return resolve
 
 
 class ApiServer:
@@ -25,27 +52,14 @@ class ApiServer:
 
     name = "api"
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, sandboxes: Optional[SandboxService] = None) -> None:
         self.node = node
-        self.app = create_app(node)
+        self.app = create_app(node, sandboxes=sandboxes)
         self.bound: list[str] = []
         self.proxy: SandboxProxy | None = None
-        manager = next((s for s in node.services if isinstance(s, SandboxManager)), None)
-        if manager is not None:
-            self.proxy = SandboxProxy(self.app, self._resolver(manager), node.cfg.api.domain)
-            manager.stopped_hooks.append(self.proxy.disconnect)
-
-    @staticmethod
-    def _resolver(manager: SandboxManager):  # type: ignore[no-untyped-def]
-        async def resolve(sandbox_id: str, port: int) -> Resolution:
-            try:
-                handle = await manager.resolve(sandbox_id, port)
-            except ManagerNotRunning as exc:
-                raise SandboxNotRunning(str(exc)) from None
-            return Resolution(host=handle.address, access_token=handle.access_token,
-                              traffic_token=handle.traffic_token)
-
-        return resolve
+        if sandboxes is not None:
+            self.proxy = SandboxProxy(cast(ASGIApp, self.app), sandbox_resolver(sandboxes), node.cfg.api.domain)
+            sandboxes.stopped_hooks.append(self.proxy.disconnect)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         hc = HypercornConfig()
@@ -56,13 +70,13 @@ class ApiServer:
         hc.keep_alive_timeout = 75
         hc.read_timeout = None  # proxied Connect streams and idle stdin streams stay open
         hc.include_server_header = False
+        app: Any = self.proxy or self.app  # both are ASGI apps; hypercorn's typing knows Quart's only
         async with contextlib.AsyncExitStack() as stack:
             if self.proxy is not None:
                 await stack.enter_async_context(self.proxy)
             nursery = await stack.enter_async_context(trio.open_nursery())
             self.bound = await nursery.start(
-                lambda task_status: serve(self.proxy or self.app, hc,
-                                          shutdown_trigger=self.node.shutdown.wait,
+                lambda task_status: serve(app, hc, shutdown_trigger=self.node.shutdown.wait,
                                           task_status=task_status)
             )
             log.info("API listening on %s", ", ".join(self.bound))

@@ -173,3 +173,163 @@ async def test_get_sandbox_detail_and_timeout(live_node) -> None:
         assert 3590 < (end - utcnow()).total_seconds() <= 3600
         assert_e2b_error(await c.post("/sandboxes/sbT/timeout", json={"timeout": 10**9}), 400, "maximum")
         assert_e2b_error(await c.post("/sandboxes/nope/timeout", json={"timeout": 5}), 404)
+
+
+# ----- one schema source: models validate, serialize and document -----------------------------------------
+
+
+def _bare_node(node_config) -> Any:
+    from aenv_node.runtime import Node
+    from aenv_node.state import Database
+
+    db = Database(node_config.database_path)
+    db.upgrade()
+    return Node(node_config, db, "k")
+
+
+class _FakeSandboxes:
+    """Stands in for the sandbox service: records calls, answers with rows (or per-child errors)."""
+
+    def __init__(self, fork_children: list[Any] | None = None) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.fork_children = fork_children or []
+        self.stopped_hooks: list[Any] = []
+        self.live: dict[str, Any] = {}
+
+    @staticmethod
+    def row(sid: str = "sbF", template: str = "base") -> Sandbox:
+        now = utcnow()
+        return Sandbox(id=sid, template_id=template, node_id="n1", client_id="", state=SandboxState.RUNNING,
+                       envd_version="0.6.4", envd_access_token="tok", traffic_access_token=None,
+                       started_at=now, end_at=now, metadata_={}, env_vars={})
+
+    async def create(self, req: Any) -> Sandbox:
+        self.calls.append(("create", req))
+        return self.row(template=req.template)
+
+    async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
+        self.calls.append(("set_timeout", (sandbox_id, timeout_s)))
+
+    async def resume(self, sandbox_id: str, *, timeout_s: int | None = None) -> tuple[Sandbox, bool]:
+        self.calls.append(("resume", (sandbox_id, timeout_s)))
+        return self.row(sandbox_id), sandbox_id == "paused1"
+
+    async def fork(self, sandbox_id: str, *, count: int, timeout_s: int | None) -> list[Any]:
+        self.calls.append(("fork", (sandbox_id, count, timeout_s)))
+        return self.fork_children
+
+
+async def test_openapi_new_sandbox_does_not_require_template_and_the_handler_defaults_it(node_config) -> None:
+    from aenv_node.api.openapi import build_openapi
+
+    doc = build_openapi(set())
+    assert doc["openapi"] == "3.1.0"
+    new_sandbox = doc["components"]["schemas"]["NewSandbox"]
+    assert "templateID" not in new_sandbox.get("required", [])
+    assert {"templateID", "timeout", "metadata", "envVars", "autoPause", "autoResume",
+            "allow_internet_access", "network"} <= set(new_sandbox["properties"])
+
+    fake = _FakeSandboxes()
+    node = _bare_node(node_config)
+    client = create_app(node, sandboxes=fake).test_client()  # type: ignore[arg-type]
+    resp = await client.post("/v2/sandboxes", json={"mcp": {"x": 1}, "volumeMounts": [], "metadata": None},
+                             headers={"X-API-KEY": "k"})
+    assert resp.status_code == 201, await resp.get_data()
+    (op, req), = fake.calls
+    assert op == "create" and req.template == node_config.sandbox.default_template
+    assert req.timeout_s == node_config.sandbox.default_timeout_s and req.metadata == {}
+    body = await resp.get_json()
+    assert body == {"templateID": node_config.sandbox.default_template, "sandboxID": "sbF", "alias": None,
+                    "clientID": node.node_id, "envdVersion": "0.6.4", "envdAccessToken": "tok",
+                    "trafficAccessToken": None, "domain": None}
+
+
+async def test_request_models_reject_bad_bodies_with_422_naming_the_field(node_config) -> None:
+    client = create_app(_bare_node(node_config), sandboxes=_FakeSandboxes()).test_client()  # type: ignore[arg-type]
+    h = {"X-API-KEY": "k"}
+    cases = [
+        ({"metadata": {"k": 1}}, "'metadata.k' must be a string"),
+        ({"timeout": -1}, "'timeout' must be >= 0"),
+        ({"timeout": True}, "'timeout' must be an integer"),
+        ({"timeout": "30"}, "'timeout' must be an integer"),
+        ({"network": {"allowOut": ["10.0.0.0/8", 3]}}, "'network.allowOut[1]' must be a string"),
+        ({"autoResume": "yes"}, "'autoResume' must be an object"),
+    ]
+    for body, message in cases:
+        resp = await client.post("/v2/sandboxes", json=body, headers=h)
+        assert resp.status_code == 422, body
+        got = await resp.get_json()
+        assert got["code"] == 422 and message in got["message"], (body, got)
+    resp = await client.post("/sandboxes/x/fork", json={"count": 0}, headers=h)
+    assert resp.status_code == 422 and "'count' must be >= 1" in (await resp.get_json())["message"]
+    resp = await client.post("/v2/sandboxes", data="[1]", headers={**h, "Content-Type": "application/json"})
+    assert resp.status_code == 422 and "JSON object" in (await resp.get_json())["message"]
+
+
+async def test_every_routes_models_are_components_of_the_document() -> None:
+    from aenv_node.api.openapi import build_openapi
+
+    doc = build_openapi({r.operation_id for r in ROUTES})
+    schemas = doc["components"]["schemas"]
+
+    def refs(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            found = [node["$ref"]] if "$ref" in node else []
+            return found + [r for v in node.values() for r in refs(v)]
+        if isinstance(node, list):
+            return [r for v in node for r in refs(v)]
+        return []
+
+    for ref in refs(doc):
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+    for route in ROUTES:
+        op = doc["paths"][route.path][route.method.lower()]
+        if route.request is not None:
+            ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            assert schemas[ref.rsplit("/", 1)[1]]["title"] == route.request.__name__
+        if route.response is not None:
+            schema = op["responses"][str(route.success)]["content"][route.content_type]["schema"]
+            schema = schema["items"] if route.response_is_list else schema
+            assert schemas[schema["$ref"].rsplit("/", 1)[1]]["title"] == route.response.__name__
+    # the SDK's field names, including E2B's snake_case one
+    assert "allow_internet_access" in schemas["NewSandbox"]["properties"]
+    assert set(schemas["Error"]["required"]) == {"code", "message"}
+
+
+async def test_fork_children_errors_and_handler_errors_use_the_one_table(node_config) -> None:
+    from aenv_node.net.errors import PoolExhausted
+    from aenv_node.runtime.errors import NodeDraining
+
+    node = _bare_node(node_config)
+    with node.db.session() as s:
+        repo.insert_sandbox(s, _FakeSandboxes.row("parent"))
+    fake = _FakeSandboxes([_FakeSandboxes.row("child1"), PoolExhausted("all 4 slots in use"), NodeDraining()])
+
+    async def draining(api: Any) -> Any:
+        raise NodeDraining()
+
+    app = create_app(node, sandboxes=fake, extra_handlers={"node_info": draining})  # type: ignore[arg-type]
+    client = app.test_client()
+    h = {"X-API-KEY": "k"}
+    resp = await client.post("/sandboxes/parent/fork", json={"count": 3}, headers=h)
+    assert resp.status_code == 201
+    first, second, third = await resp.get_json()
+    assert first["sandbox"]["sandboxID"] == "child1" and set(first) == {"sandbox"}
+    assert second == {"error": {"code": 503, "message": "PoolExhausted: all 4 slots in use"}}
+    assert third["error"]["code"] == 503 and third["error"]["message"].startswith("NodeDraining: ")
+    resp = await client.get("/node", headers=h)
+    assert resp.status_code == 503 and "shutting down" in (await resp.get_json())["message"]
+
+
+async def test_timeout_and_connect_go_through_the_sandbox_service(node_config) -> None:
+    fake = _FakeSandboxes()
+    client = create_app(_bare_node(node_config), sandboxes=fake).test_client()  # type: ignore[arg-type]
+    h = {"X-API-KEY": "k"}
+    resp = await client.post("/sandboxes/sbX/timeout", json={"timeout": 60}, headers=h)
+    assert resp.status_code == 204
+    assert fake.calls == [("set_timeout", ("sbX", 60))]
+    resp = await client.post("/v2/sandboxes/running1/connect", json={"timeout": 30}, headers=h)
+    assert resp.status_code == 200 and (await resp.get_json())["sandboxID"] == "running1"
+    resp = await client.post("/v2/sandboxes/paused1/connect", headers=h)  # an empty body is {}
+    assert resp.status_code == 201
+    assert fake.calls[1:] == [("resume", ("running1", 30)), ("resume", ("paused1", None))]

@@ -109,3 +109,54 @@ def test_kill_leaves_nothing_behind(sdk_env) -> None:
     assert run_dirs == ""
     in_use = sdk_env.sql(f"SELECT count(*) FROM network_slots WHERE sandbox_id = '{sid}'")[0][0]
     assert in_use == 0
+
+
+def test_secure_false_is_ignored_every_sandbox_is_secured(sdk_env) -> None:
+    """As E2B's API (its ``secure`` is "ignored: all system communication with the sandbox is always
+    secured"), a create that asks for ``secure: false`` still gets an envd access token, and envd requires it."""
+    with httpx.Client(base_url=sdk_env.url, headers={"X-API-KEY": sdk_env.api_key}, timeout=60) as api:
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120, "secure": False})
+        assert r.status_code == 201, r.text
+        sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+        try:
+            assert token
+            headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+                       "Connect-Protocol-Version": "1", "Content-Type": "application/json"}
+            r = httpx.post(sdk_env.url + "/process.Process/List", headers=headers, content=b"{}")
+            assert r.status_code == 401
+            r = httpx.post(sdk_env.url + "/process.Process/List", content=b"{}",
+                           headers={**headers, "X-Access-Token": token})
+            assert r.status_code == 200
+        finally:
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204
+
+
+def test_allow_public_traffic_false_requires_the_traffic_token_on_other_ports(sdk_env) -> None:
+    """``network.allowPublicTraffic: false`` arms a traffic access token: the proxy requires it (header
+    ``E2B-Traffic-Access-Token``) on every port but envd's, which keeps its own token check."""
+    with httpx.Client(base_url=sdk_env.url, headers={"X-API-KEY": sdk_env.api_key}, timeout=60) as api:
+        r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120,
+                                            "network": {"allowPublicTraffic": False}})
+        assert r.status_code == 201, r.text
+        created = r.json()
+    sid, traffic, envd = created["sandboxID"], created["trafficAccessToken"], created["envdAccessToken"]
+    assert traffic and envd and traffic != envd
+    sb = Sandbox.connect(sid)
+    try:
+        sb.files.write("/home/user/www/index.html", "guarded")
+        sb.commands.run("cd /home/user/www && /opt/aenv/bin/python -m http.server 8080 >/dev/null 2>&1",
+                        background=True)
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8080"}
+        deadline = time.monotonic() + 30
+        while True:
+            r = httpx.get(sdk_env.url + "/index.html", headers={**headers, "E2B-Traffic-Access-Token": traffic})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert r.status_code == 200 and r.text == "guarded"
+        r = httpx.get(sdk_env.url + "/index.html", headers=headers)
+        assert r.status_code == 403 and "traffic access token" in r.json()["message"]
+        r = httpx.get(sdk_env.url + "/index.html", headers={**headers, "E2B-Traffic-Access-Token": "wrong"})
+        assert r.status_code == 403
+    finally:
+        sb.kill()

@@ -1,19 +1,19 @@
 """API handlers by operation id (see ``routes.ROUTES``).
 
-A handler is ``async def handler(node, **path_params)``; it reads the request
-through Quart's context and returns a Quart response value.
+A handler is ``async def handler(api: ApiContext, **path_params, body=<request model>)``: the app
+parses the route's request model before calling it (``body`` only for routes that declare one) and
+serializes the model it returns (``context.HandlerResult``) with the route's success status.
 """
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
-
+from ..context import Handler
 from . import lifecycle as _lifecycle
 from . import node as _node
 from . import sandboxes as _sandboxes
 from . import templates as _templates
 
-HANDLERS: dict[str, Callable[..., Awaitable[Any]]] = {
+HANDLERS: dict[str, Handler] = {
     **_node.HANDLERS,
     **_sandboxes.HANDLERS,
     **_templates.HANDLERS,

@@ -1,199 +1,131 @@
-"""E2B sandbox lifecycle routes served by the sandbox manager: create, kill, connect, metrics."""
+"""E2B sandbox lifecycle routes, served by the sandbox service: create, kill, connect, resume, pause,
+snapshots, fork, network, metrics.
+
+Each reaches the service through ``api.sandboxes`` (a 501 when the node runs none). Errors are the
+service's typed exceptions, mapped by the API's one table (``errors.py``); a handler raises an
+``ApiError`` itself only where E2B's SDK reads a particular message (connect's "Paused sandbox ...
+not found") or for a condition the service does not know (a timeout over the node's maximum).
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-import httpx
-from quart import jsonify
-
-from ...runtime import Node
-from ...runtime.manager import CreateRequest, SandboxManager
+from ...state import Sandbox as SandboxRow
 from ...state import SandboxState
 from ...state.errors import NotFound
 from ...state.repository import get_sandbox
-from ..body import field, json_body
-from ..errors import ApiError
-from ..serialize import rfc3339
+from ..context import ApiContext, CreateRequest, Handler, Reply
+from ..errors import ApiError, status_for
+from ..models import (
+    ConnectSandbox,
+    Error,
+    ForkResult,
+    ForkSandbox,
+    NetworkUpdate,
+    NewSandbox,
+    NewSnapshot,
+    PauseSandbox,
+    ResumeSandbox,
+    Sandbox,
+    SandboxMetric,
+    SnapshotInfo,
+)
+from .sandboxes import check_timeout
 
 
-def manager_of(node: Node) -> SandboxManager:
-    for service in node.services:
-        if isinstance(service, SandboxManager):
-            return service
-    raise ApiError(501, "sandbox lifecycle is not implemented on this node: it runs no sandbox manager")
+def _sandbox(api: ApiContext, row: SandboxRow) -> Sandbox:
+    return Sandbox.from_row(row, node_id=api.node.node_id, domain=api.cfg.api.domain)
 
 
-def sandbox_json(node: Node, sb: Any) -> dict[str, Any]:
-    return {
-        "templateID": sb.template_id,
-        "sandboxID": sb.id,
-        "alias": sb.alias,
-        "clientID": sb.client_id or node.node_id,
-        "envdVersion": sb.envd_version,
-        "envdAccessToken": sb.envd_access_token,
-        "trafficAccessToken": sb.traffic_access_token,
-        "domain": node.cfg.api.domain or None,
-    }
-
-
-_NEW_SANDBOX = {
-    "templateID": field(str),
-    "timeout": field(int, minimum=0),
-    "metadata": field(dict),
-    "envVars": field(dict),
-    "autoPause": field(bool),
-    "autoResume": field(dict),
-    "secure": field(bool),
-    "allow_internet_access": field(bool),
-    "network": field(dict),
-}
-
-
-def _str_map(body: dict[str, Any], name: str) -> dict[str, str]:
-    value = body.get(name) or {}
-    bad = [k for k, v in value.items() if not isinstance(v, str)]
-    if bad:
-        raise ApiError(422, f"field {name!r}: values must be strings (see {bad[0]!r})")
-    return dict(value)
-
-
-async def create_sandbox_v2(node: Node) -> Any:
-    body = await json_body(_NEW_SANDBOX)
-    mgr = manager_of(node)
-    cfg = node.cfg.sandbox
-    timeout = body.get("timeout", cfg.default_timeout_s)
-    if timeout > cfg.max_timeout_s:
-        raise ApiError(400, f"timeout {timeout}s exceeds this node's maximum of {cfg.max_timeout_s}s")
-    network = body.get("network") or {}
-    for key in ("allowOut", "denyOut"):
-        if key in network and not (isinstance(network[key], list)
-                                   and all(isinstance(x, str) for x in network[key])):
-            raise ApiError(422, f"field 'network.{key}' must be an array of strings")
+async def create_sandbox_v2(api: ApiContext, body: NewSandbox) -> Sandbox:
+    service = api.sandboxes
+    cfg = api.cfg.sandbox
+    timeout = body.timeout if body.timeout is not None else cfg.default_timeout_s
+    check_timeout(api.cfg, timeout)
+    network = body.network
     req = CreateRequest(
-        template=body.get("templateID") or cfg.default_template,
+        template=body.template_id or cfg.default_template,
         timeout_s=timeout,
-        metadata=_str_map(body, "metadata"),
-        env_vars=_str_map(body, "envVars"),
-        auto_pause=body.get("autoPause", True),
-        auto_resume=bool((body.get("autoResume") or {}).get("enabled", False)),
-        secure=body.get("secure", True),
-        allow_internet_access=body.get("allow_internet_access", True),
-        allow_out=network.get("allowOut"),
-        deny_out=network.get("denyOut"),
+        metadata=dict(body.metadata),
+        env_vars=dict(body.env_vars),
+        auto_pause=body.auto_pause,
+        auto_resume=body.auto_resume.enabled if body.auto_resume is not None else False,
+        allow_internet_access=body.allow_internet_access,
+        allow_out=network.allow_out if network is not None else None,
+        deny_out=network.deny_out if network is not None else None,
+        allow_public_traffic=network is None or network.allow_public_traffic is not False,
     )
-    sb = await mgr.create(req)
-    return jsonify(sandbox_json(node, sb)), 201
+    return _sandbox(api, await service.create(req))
 
 
-async def kill_sandbox(node: Node, sandboxID: str) -> Any:
-    if not await manager_of(node).kill(sandboxID):
+async def kill_sandbox(api: ApiContext, sandboxID: str) -> None:
+    if not await api.sandboxes.kill(sandboxID):
         raise ApiError(404, f"sandbox {sandboxID} not found")
-    return "", 204
 
 
-def _check_timeout(node: Node, timeout: int | None) -> None:
-    if timeout is not None and timeout > node.cfg.sandbox.max_timeout_s:
-        raise ApiError(400, f"timeout {timeout}s exceeds this node's maximum of "
-                            f"{node.cfg.sandbox.max_timeout_s}s")
-
-
-async def connect_sandbox_v2(node: Node, sandboxID: str) -> Any:
+async def connect_sandbox_v2(api: ApiContext, sandboxID: str, body: ConnectSandbox) -> Reply:
     """200 with the sandbox when it runs; 201 when it was paused and has been resumed."""
-    body = await json_body({"timeout": field(int, minimum=0)})
-    _check_timeout(node, body.get("timeout"))
+    check_timeout(api.cfg, body.timeout)
     try:
-        sb, resumed = await manager_of(node).resume(sandboxID, timeout_s=body.get("timeout"))
+        sb, resumed = await api.sandboxes.resume(sandboxID, timeout_s=body.timeout)
     except NotFound:
+        # the SDK's connect() turns this 404 into SandboxNotFoundException with this wording
         raise ApiError(404, f"Paused sandbox {sandboxID} not found") from None
-    return jsonify(sandbox_json(node, sb)), 201 if resumed else 200
+    return Reply(_sandbox(api, sb), status=201 if resumed else 200)
 
 
-async def resume_sandbox(node: Node, sandboxID: str) -> Any:
-    body = await json_body({"timeout": field(int, minimum=0), "autoPause": field(bool)})
-    _check_timeout(node, body.get("timeout"))
-    sb = await node.db.run(lambda s: get_sandbox(s, sandboxID))
-    if sb.state != SandboxState.PAUSED.value:
+async def resume_sandbox(api: ApiContext, sandboxID: str, body: ResumeSandbox) -> Sandbox:
+    check_timeout(api.cfg, body.timeout)
+    sb = await api.node.db.run(lambda s: get_sandbox(s, sandboxID))
+    if sb.state != SandboxState.PAUSED:
         raise ApiError(409, f"sandbox {sandboxID} is {sb.state}, not paused")
-    sb, _ = await manager_of(node).resume(sandboxID, timeout_s=body.get("timeout"))
-    return jsonify(sandbox_json(node, sb)), 201
+    row, _ = await api.sandboxes.resume(sandboxID, timeout_s=body.timeout)
+    return _sandbox(api, row)
 
 
-async def pause_sandbox(node: Node, sandboxID: str) -> Any:
-    await json_body({"memory": field(bool), "requireHealthyGuest": field(bool)})
-    await manager_of(node).pause(sandboxID)
-    return "", 204
+async def pause_sandbox(api: ApiContext, sandboxID: str, body: PauseSandbox) -> None:
+    await api.sandboxes.pause(sandboxID)
 
 
-async def create_snapshot(node: Node, sandboxID: str) -> Any:
-    body = await json_body({"name": field(str), "memory": field(bool)})
-    await node.db.run(lambda s: get_sandbox(s, sandboxID))  # 404 for an unknown sandbox
-    snapshot_id = await manager_of(node).snapshot(sandboxID, name=body.get("name"))
-    return jsonify({"snapshotID": snapshot_id,
-                    "names": [body["name"]] if body.get("name") else []}), 201
+async def create_snapshot(api: ApiContext, sandboxID: str, body: NewSnapshot) -> SnapshotInfo:
+    await api.node.db.run(lambda s: get_sandbox(s, sandboxID))  # 404 for an unknown sandbox
+    snapshot_id = await api.sandboxes.snapshot(sandboxID, name=body.name)
+    return SnapshotInfo(snapshot_id=snapshot_id, names=[body.name] if body.name else [])
 
 
-async def delete_template(node: Node, templateID: str) -> Any:
-    if not await manager_of(node).delete_snapshot(templateID):
+async def delete_template(api: ApiContext, templateID: str) -> None:
+    if not await api.sandboxes.delete_snapshot(templateID):
         raise ApiError(404, f"snapshot {templateID} not found (only snapshots can be deleted here)")
-    return "", 204
 
 
-async def fork_sandbox(node: Node, sandboxID: str) -> Any:
-    body = await json_body({"count": field(int, minimum=1), "timeout": field(int, minimum=0)})
-    _check_timeout(node, body.get("timeout"))
-    await node.db.run(lambda s: get_sandbox(s, sandboxID))
-    results = await manager_of(node).fork(sandboxID, count=body.get("count", 1),
-                                          timeout_s=body.get("timeout"))
-    out = []
-    for r in results:
-        if "sandbox" in r:
-            out.append({"sandbox": sandbox_json(node, r["sandbox"])})
-        else:
-            out.append({"error": r["error"]})
-    return jsonify(out), 201
+def fork_result(api: ApiContext, child: SandboxRow | Exception) -> ForkResult:
+    """A child's row, or the exception that stopped it, mapped like any handler error."""
+    if isinstance(child, Exception):
+        code, _ = status_for(child)
+        return ForkResult(error=Error(code=code, message=f"{type(child).__name__}: {child}"))
+    return ForkResult(sandbox=_sandbox(api, child))
 
 
-async def update_sandbox_network(node: Node, sandboxID: str) -> Any:
-    body = await json_body({"allowOut": field(list), "denyOut": field(list)})
-    for key in ("allowOut", "denyOut"):
-        if key in body and not all(isinstance(x, str) for x in body[key]):
-            raise ApiError(422, f"field {key!r} must be an array of strings")
-    await manager_of(node).update_network(sandboxID, allow_out=body.get("allowOut"),
-                                          deny_out=body.get("denyOut"))
-    return "", 204
+async def fork_sandbox(api: ApiContext, sandboxID: str, body: ForkSandbox) -> list[ForkResult]:
+    check_timeout(api.cfg, body.timeout)
+    await api.node.db.run(lambda s: get_sandbox(s, sandboxID))
+    children = await api.sandboxes.fork(sandboxID, count=body.count, timeout_s=body.timeout)
+    return [fork_result(api, child) for child in children]
 
 
-async def get_sandbox_metrics(node: Node, sandboxID: str) -> Any:
-    sb = await node.db.run(lambda s: get_sandbox(s, sandboxID))
-    mgr = manager_of(node)
-    if sandboxID not in mgr.live:
-        return jsonify([])
-    handle = mgr.live[sandboxID]
-    async with httpx.AsyncClient(timeout=10) as client:
-        try:
-            r = await client.get(f"http://{handle.address}:49983/metrics",
-                                 headers={"X-Access-Token": handle.access_token or ""})
-            m = r.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise ApiError(502, f"envd of sandbox {sandboxID} did not answer: {exc}") from None
-    import datetime as dt
-
-    ts = m.get("ts") or int(dt.datetime.now(dt.timezone.utc).timestamp())
-    return jsonify([{
-        "timestamp": rfc3339(dt.datetime.fromtimestamp(ts, dt.timezone.utc)),
-        "timestampUnix": ts,
-        "cpuCount": m.get("cpu_count", sb.cpu_count),
-        "cpuUsedPct": m.get("cpu_used_pct", 0.0),
-        "memUsed": m.get("mem_used", 0),
-        "memTotal": m.get("mem_total", 0),
-        "memCache": m.get("mem_cache", 0),
-        "diskUsed": m.get("disk_used", 0),
-        "diskTotal": m.get("disk_total", 0),
-    }])
+async def update_sandbox_network(api: ApiContext, sandboxID: str, body: NetworkUpdate) -> None:
+    await api.sandboxes.update_network(sandboxID, allow_out=body.allow_out, deny_out=body.deny_out)
 
 
-HANDLERS = {
+async def get_sandbox_metrics(api: ApiContext, sandboxID: str) -> list[SandboxMetric]:
+    """The guest's current figures (envd's /metrics); empty while the sandbox is not running here."""
+    sb = await api.node.db.run(lambda s: get_sandbox(s, sandboxID))
+    doc = await api.sandboxes.guest_metrics(sandboxID)
+    if doc is None:
+        return []
+    return [SandboxMetric.from_envd(doc, cpu_count=sb.cpu_count)]
+
+
+HANDLERS: dict[str, Handler] = {
     "create_sandbox_v2": create_sandbox_v2,
     "create_sandbox": create_sandbox_v2,
     "kill_sandbox": kill_sandbox,

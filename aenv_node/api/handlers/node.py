@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
 
 import trio
 from quart import Response, current_app, jsonify, request
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
-from ...runtime import Node
-from ...state import Event, Sandbox
+from ...state import Event as EventRow
+from ...state import Sandbox as SandboxRow
+from ..context import ApiContext, Handler
 from ..errors import ApiError
 from ..metrics import CONTENT_TYPE
-from ..serialize import event_json, rfc3339
+from ..models import Event, Health, NodeInfo
 
 
 def query_int(name: str, default: int, *, lo: int = 1, hi: int = 1000) -> int:
+    """An integer query parameter in [lo, hi]; a 400 naming it otherwise."""
     raw = request.args.get(name)
     if raw is None or raw == "":
         return default
@@ -29,49 +31,45 @@ def query_int(name: str, default: int, *, lo: int = 1, hi: int = 1000) -> int:
     return value
 
 
-async def health(node: Node) -> Any:
-    return jsonify({"status": "draining" if node.tracker.draining else "ok",
-                    "version": node.version})
+async def health(api: ApiContext) -> Health:
+    return Health(status="draining" if api.node.tracker.draining else "ok", version=api.node.version)
 
 
-async def metrics(node: Node) -> Any:
+async def metrics(api: ApiContext) -> Response:
     body = await trio.to_thread.run_sync(current_app.extensions["aenv_metrics"].render)
     return Response(body, status=200, content_type=CONTENT_TYPE)
 
 
-async def openapi(node: Node) -> Any:
+async def openapi(api: ApiContext) -> Response:
     return jsonify(current_app.extensions["aenv_openapi"])
 
 
-async def node_info(node: Node) -> Any:
-    def work(s):  # type: ignore[no-untyped-def]
-        return dict(s.execute(select(Sandbox.state, func.count()).group_by(Sandbox.state)).all())
+async def node_info(api: ApiContext) -> NodeInfo:
+    def work(s: Session) -> dict[str, int]:
+        rows = s.execute(select(SandboxRow.state, func.count()).group_by(SandboxRow.state)).all()
+        return {str(state): count for state, count in rows}
 
-    counts = await node.db.run(work)
-    return jsonify({
-        "nodeID": node.node_id,
-        "version": node.version,
-        "listen": node.cfg.api.listen,
-        "stateDir": str(node.cfg.state_dir),
-        "startedAt": rfc3339(dt.datetime.fromtimestamp(node.started_at, dt.timezone.utc)),
-        "sandboxes": counts,
-    })
+    node = api.node
+    return NodeInfo(node_id=node.node_id, version=node.version, listen=node.cfg.api.listen,
+                    state_dir=str(node.cfg.state_dir),
+                    started_at=dt.datetime.fromtimestamp(node.started_at, dt.timezone.utc),
+                    sandboxes=await node.db.run(work))
 
 
-async def list_events(node: Node) -> Any:
+async def list_events(api: ApiContext) -> list[Event]:
     limit = query_int("limit", 100)
     sandbox_id = request.args.get("sandboxID")
 
-    def work(s):  # type: ignore[no-untyped-def]
-        q = select(Event).order_by(Event.id.desc()).limit(limit)
+    def work(s: Session) -> list[Event]:
+        q = select(EventRow).order_by(EventRow.id.desc()).limit(limit)
         if sandbox_id:
-            q = q.where(Event.sandbox_id == sandbox_id)
-        return [event_json(e) for e in s.scalars(q)]
+            q = q.where(EventRow.sandbox_id == sandbox_id)
+        return [Event.from_row(e) for e in s.scalars(q)]
 
-    return jsonify(await node.db.run(work))
+    return await api.node.db.run(work)
 
 
-HANDLERS = {
+HANDLERS: dict[str, Handler] = {
     "health": health,
     "metrics": metrics,
     "openapi": openapi,

@@ -1,32 +1,32 @@
-"""E2B sandbox routes that read state: list (v1, v2) and get.
+"""E2B sandbox routes that read state: list (v1, v2) and get; and set_timeout.
 
-The routes that create, kill, pause, resume or fork sandboxes are registered by
-the sandbox manager (``runtime``) when it is present; until then they answer 501.
+They need no sandbox service: a node serving only its database (tests, an
+inspection node) answers them too. The routes that create, kill, pause,
+resume or fork sandboxes are in ``lifecycle.py``.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import binascii
+import datetime as dt
 import json
-from typing import Any
 from urllib.parse import parse_qsl, unquote
 
-from quart import jsonify, request
+from quart import request
 from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
 
-from ...runtime import Node
-from ...state import Sandbox
-from ...state import utcnow
+from ...config import Config
+from ...state import Sandbox as SandboxRow
 from ...state.repository import get_sandbox as _get_row
-from ...state.repository import update_sandbox
-from ..body import field, json_body
+from ...state.repository import set_end
+from ..context import ApiContext, Handler, Reply
 from ..errors import ApiError
-from ..serialize import e2b_state, listed_sandbox, sandbox_detail
+from ..models import E2BState, ListedSandbox, SandboxDetail, Timeout, e2b_state
 from .node import query_int
 
-_E2B_STATES = ("running", "paused")
+_E2B_STATES: tuple[E2BState, ...] = ("running", "paused")
 
 
 def parse_metadata_filter(raw: str | None) -> dict[str, str]:
@@ -57,7 +57,7 @@ def _decode_token(token: str) -> tuple[dt.datetime, str]:
         raise ApiError(400, "nextToken is not a token this node issued") from None
 
 
-async def _list(node: Node, *, states: tuple[str, ...], paginate: bool) -> Any:
+async def _list(api: ApiContext, *, states: tuple[str, ...], paginate: bool) -> Reply:
     metadata = parse_metadata_filter(request.args.get("metadata"))
     raw_state = request.args.get("state")
     if raw_state:
@@ -82,24 +82,24 @@ async def _list(node: Node, *, states: tuple[str, ...], paginate: bool) -> Any:
     token = request.args.get("nextToken") if paginate else None
     after = _decode_token(token) if token else None
 
-    def work(s):  # type: ignore[no-untyped-def]
-        q = select(Sandbox)
+    def work(s: Session) -> list[SandboxRow]:
+        q = select(SandboxRow)
         if template:
-            q = q.where(or_(Sandbox.template_id == template, Sandbox.alias == template))
+            q = q.where(or_(SandboxRow.template_id == template, SandboxRow.alias == template))
         if started_after is not None:
-            q = q.where(Sandbox.started_at >= started_after)
+            q = q.where(SandboxRow.started_at >= started_after)
         if order == "asc":
-            q = q.order_by(Sandbox.started_at.asc(), Sandbox.id.asc())
+            q = q.order_by(SandboxRow.started_at.asc(), SandboxRow.id.asc())
         else:
-            q = q.order_by(Sandbox.started_at.desc(), Sandbox.id.desc())
+            q = q.order_by(SandboxRow.started_at.desc(), SandboxRow.id.desc())
         if after is not None:
             ts, sid = after
-            col = Sandbox.started_at
+            col = SandboxRow.started_at
             if order == "asc":
-                q = q.where(or_(col > ts, and_(col == ts, Sandbox.id > sid)))
+                q = q.where(or_(col > ts, and_(col == ts, SandboxRow.id > sid)))
             else:
-                q = q.where(or_(col < ts, and_(col == ts, Sandbox.id < sid)))
-        out: list[Sandbox] = []
+                q = q.where(or_(col < ts, and_(col == ts, SandboxRow.id < sid)))
+        out: list[SandboxRow] = []
         for sb in s.scalars(q):
             if e2b_state(sb.state) not in states:
                 continue
@@ -111,48 +111,49 @@ async def _list(node: Node, *, states: tuple[str, ...], paginate: bool) -> Any:
                 break
         return out
 
-    rows = await node.db.run(work)
+    rows = await api.node.db.run(work)
     has_more = len(rows) > limit
     rows = rows[:limit]
-    resp = jsonify([listed_sandbox(sb) for sb in rows])
+    headers: dict[str, str] = {}
     if paginate and has_more and rows:
         last = rows[-1]
-        resp.headers["x-next-token"] = _encode_token(last.started_at.isoformat(), last.id)
-    return resp
+        headers["x-next-token"] = _encode_token(last.started_at.isoformat(), last.id)
+    return Reply([ListedSandbox.from_row(sb) for sb in rows], headers=headers)
 
 
-async def list_sandboxes_v2(node: Node) -> Any:
-    return await _list(node, states=_E2B_STATES, paginate=True)
+async def list_sandboxes_v2(api: ApiContext) -> Reply:
+    return await _list(api, states=_E2B_STATES, paginate=True)
 
 
-async def list_sandboxes(node: Node) -> Any:
-    return await _list(node, states=("running",), paginate=False)
+async def list_sandboxes(api: ApiContext) -> Reply:
+    return await _list(api, states=("running",), paginate=False)
 
 
-async def get_sandbox(node: Node, sandboxID: str) -> Any:
-    sb = await node.db.run(lambda s: _get_row(s, sandboxID))
+async def get_sandbox(api: ApiContext, sandboxID: str) -> SandboxDetail:
+    sb = await api.node.db.run(lambda s: _get_row(s, sandboxID))
     if e2b_state(sb.state) is None:
         raise ApiError(404, f"sandbox {sandboxID} not found")
-    return jsonify(sandbox_detail(sb, domain=node.cfg.api.domain))
+    return SandboxDetail.from_row(sb, domain=api.cfg.api.domain)
 
 
-async def set_sandbox_timeout(node: Node, sandboxID: str) -> Any:
-    body = await json_body({"timeout": field(int, required=True, minimum=0)})
-    await extend_timeout(node, sandboxID, body["timeout"])
-    return "", 204
-
-
-async def extend_timeout(node: Node, sandboxID: str, timeout: int) -> None:
-    """The sandbox now ends ``timeout`` seconds from now (E2B set_timeout semantics)."""
-    if timeout > node.cfg.sandbox.max_timeout_s:
+def check_timeout(cfg: Config, timeout: int | None) -> None:
+    """A timeout beyond the node's maximum is the client's error (400), whatever the route."""
+    if timeout is not None and timeout > cfg.sandbox.max_timeout_s:
         raise ApiError(400, f"timeout {timeout}s exceeds this node's maximum of "
-                            f"{node.cfg.sandbox.max_timeout_s}s")
-    end_at = utcnow() + dt.timedelta(seconds=timeout)
-    await node.db.run(lambda s: update_sandbox(s, sandboxID, operation="set_timeout",
-                                               detail={"timeout_s": timeout}, end_at=end_at))
+                            f"{cfg.sandbox.max_timeout_s}s")
 
 
-HANDLERS = {
+async def set_sandbox_timeout(api: ApiContext, sandboxID: str, body: Timeout) -> None:
+    """The sandbox now ends ``timeout`` seconds from now (E2B set_timeout semantics). A node that serves only
+    its database (no sandbox service: no timer runs) still records it, through the same state change."""
+    check_timeout(api.cfg, body.timeout)
+    if api.service is not None:
+        await api.service.set_timeout(sandboxID, body.timeout)
+    else:
+        await api.node.db.run(set_end, sandboxID, body.timeout)
+
+
+HANDLERS: dict[str, Handler] = {
     "set_sandbox_timeout": set_sandbox_timeout,
     "list_sandboxes_v2": list_sandboxes_v2,
     "list_sandboxes": list_sandboxes,

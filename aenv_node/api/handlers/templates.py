@@ -1,89 +1,95 @@
-"""Template and snapshot routes that read state."""
+"""Template and snapshot routes that read state (no sandbox service needed)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
-from quart import jsonify, request
+from quart import request
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from ...runtime import Node
-from ...state import Snapshot, Template
+from ...state import Snapshot as SnapshotRow
+from ...state import SnapshotKind, SnapshotStatus, TemplateKind
+from ...state import Template as TemplateRow
+from ..context import ApiContext, Handler
 from ..errors import ApiError
-from ..serialize import snapshot_json, template_json
+from ..models import SnapshotDetail, Template, TemplateAlias
 from .node import query_int
 
 
-async def list_templates(node: Node) -> Any:
-    def work(s):  # type: ignore[no-untyped-def]
-        q = select(Template).where(Template.kind == "template").order_by(Template.created_at)
-        return [template_json(t) for t in s.scalars(q)]
+async def list_templates(api: ApiContext) -> list[Template]:
+    def work(s: Session) -> list[Template]:
+        q = select(TemplateRow).where(TemplateRow.kind == TemplateKind.TEMPLATE).order_by(TemplateRow.created_at)
+        return [Template.from_row(t) for t in s.scalars(q)]
 
-    return jsonify(await node.db.run(work))
+    return await api.node.db.run(work)
 
 
-async def get_template(node: Node, templateID: str) -> Any:
-    def work(s):  # type: ignore[no-untyped-def]
-        t = s.get(Template, templateID)
+async def get_template(api: ApiContext, templateID: str) -> Template:
+    def work(s: Session) -> Optional[Template]:
+        t = s.get(TemplateRow, templateID)
         if t is None:
-            t = s.scalars(select(Template).where(Template.alias == templateID)).first()
-        return template_json(t) if t is not None else None
+            t = s.scalars(select(TemplateRow).where(TemplateRow.alias == templateID)).first()
+        return Template.from_row(t) if t is not None else None
 
-    out = await node.db.run(work)
+    out = await api.node.db.run(work)
     if out is None:
         raise ApiError(404, f"template {templateID} not found")
-    return jsonify(out)
+    return out
 
 
-async def get_template_alias(node: Node, alias: str) -> Any:
-    def work(s):  # type: ignore[no-untyped-def]
-        t = s.scalars(select(Template).where(Template.alias == alias)).first()
+async def get_template_alias(api: ApiContext, alias: str) -> TemplateAlias:
+    def work(s: Session) -> Optional[str]:
+        t = s.scalars(select(TemplateRow).where(TemplateRow.alias == alias)).first()
         return t.id if t is not None else None
 
-    tid = await node.db.run(work)
+    tid = await api.node.db.run(work)
     if tid is None:
         raise ApiError(404, f"template alias {alias} not found")
-    return jsonify({"templateID": tid, "public": False})
+    return TemplateAlias(template_id=tid, public=False)
 
 
-async def list_snapshots(node: Node) -> Any:
+_LISTED_KINDS = (SnapshotKind.USER, SnapshotKind.PAUSE, SnapshotKind.PERIODIC)
+
+
+async def list_snapshots(api: ApiContext) -> list[SnapshotDetail]:
     limit = query_int("limit", 100)
     sandbox_id = request.args.get("sandboxID")
     name = request.args.get("name")
 
-    def work(s):  # type: ignore[no-untyped-def]
-        q = (select(Snapshot).where(Snapshot.status == "committed")
-             .where(Snapshot.kind.in_(("user", "pause", "periodic")))
-             .order_by(Snapshot.created_at.desc()).limit(limit))
+    def work(s: Session) -> list[SnapshotDetail]:
+        q = (select(SnapshotRow).where(SnapshotRow.status == SnapshotStatus.COMMITTED)
+             .where(SnapshotRow.kind.in_(_LISTED_KINDS))
+             .order_by(SnapshotRow.created_at.desc()).limit(limit))
         if sandbox_id:
-            q = q.where(Snapshot.source_sandbox_id == sandbox_id)
+            q = q.where(SnapshotRow.source_sandbox_id == sandbox_id)
         if name:
-            q = q.where(Snapshot.name == name)
-        return [snapshot_json(sn) for sn in s.scalars(q)]
+            q = q.where(SnapshotRow.name == name)
+        return [SnapshotDetail.from_row(sn) for sn in s.scalars(q)]
 
-    return jsonify(await node.db.run(work))
+    return await api.node.db.run(work)
 
 
-async def snapshot_lineage(node: Node, snapshotID: str) -> Any:
-    def work(s):  # type: ignore[no-untyped-def]
-        chain = []
+async def snapshot_lineage(api: ApiContext, snapshotID: str) -> list[SnapshotDetail]:
+    def work(s: Session) -> Optional[list[SnapshotDetail]]:
+        chain: list[SnapshotDetail] = []
         seen: set[str] = set()
-        sn = s.get(Snapshot, snapshotID)
+        sn = s.get(SnapshotRow, snapshotID)
         if sn is None:
             return None
         while sn is not None and sn.id not in seen:
             seen.add(sn.id)
-            chain.append(snapshot_json(sn))
-            sn = s.get(Snapshot, sn.parent_id) if sn.parent_id else None
+            chain.append(SnapshotDetail.from_row(sn))
+            sn = s.get(SnapshotRow, sn.parent_id) if sn.parent_id else None
         return chain
 
-    out = await node.db.run(work)
+    out = await api.node.db.run(work)
     if out is None:
         raise ApiError(404, f"snapshot {snapshotID} not found")
-    return jsonify(out)
+    return out
 
 
-HANDLERS = {
+HANDLERS: dict[str, Handler] = {
     "list_templates": list_templates,
     "get_template": get_template,
     "get_template_alias": get_template_alias,
