@@ -7,7 +7,9 @@ sockets and uppers. Each such sandbox becomes:
 
 * paused, if it was resuming (its pause snapshot is intact);
 * paused at its newest periodic snapshot, if it has one (published again, so
-  the repository's record says paused instead of running here);
+  the repository's record says paused instead of running here), also when the
+  node died in the middle of a capture (snapshotting, forking: the sandbox
+  was running, and the interrupted capture committed nothing);
 * killed otherwise, with the reason in its event.
 
 Then what its run left is removed: the VMM (by the pid the row recorded, and
@@ -65,8 +67,14 @@ def _settle_rows(s: Session) -> tuple[list[tuple[str, Optional[int]]], list[tupl
             # its pause snapshot is intact: it is still paused
             repo.transition(s, sb.id, S.PAUSED, operation="reconcile", vmm_pid=None, slot_index=None)
             continue
+        if current in (S.SNAPSHOTTING, S.FORKING):
+            # the node died during a live capture (a periodic snapshot, say): the sandbox was running, and
+            # what the capture wrote is uncommitted; the lifecycle goes on from running
+            repo.transition(s, sb.id, S.RUNNING, operation="reconcile",
+                            detail={"reason": f"the node restarted during a capture ({current})"})
+            current = S.RUNNING
         periodic = SnapshotStore.latest_periodic(s, sb.id)
-        if periodic is not None and current in (S.RUNNING, S.SNAPSHOTTING, S.FORKING, S.PAUSING):
+        if periodic is not None and current in (S.RUNNING, S.PAUSING):
             if current != S.PAUSING:
                 repo.transition(s, sb.id, S.PAUSING, operation="reconcile")
             repo.transition(s, sb.id, S.PAUSED, operation="reconcile", snapshot_id=periodic.id, vmm_pid=None,

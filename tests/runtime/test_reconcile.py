@@ -52,15 +52,17 @@ async def test_a_crashed_runs_sandboxes_are_settled_and_its_leftovers_reaped(nod
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "aenv-irun2"])
     try:
         _sandbox(db, "iperiodic", [S.RUNNING])
+        _sandbox(db, "icapturing", [S.RUNNING, S.SNAPSHOTTING])  # killed during its next periodic capture
         _sandbox(db, "irun2", [S.RUNNING], pid=leftover.pid)
         _sandbox(db, "inotours", [S.RUNNING], pid=os.getpid())  # a pid now used by something else
         _sandbox(db, "iresuming", [S.RUNNING, S.PAUSING, S.PAUSED, S.RESUMING])
         _sandbox(db, "ikilling", [S.RUNNING, S.KILLING])
         _sandbox(db, "ipaused", [S.RUNNING, S.PAUSING, S.PAUSED])
         with db.session() as s:
-            s.add(Snapshot(id="snp_per", kind=SnapshotKind.PERIODIC, status=SnapshotStatus.COMMITTED,
-                           source_sandbox_id="iperiodic", vmstate_location="/v", memory_location="/m",
-                           config=SnapshotConfig(shape=SHAPE)))
+            for sid in ("iperiodic", "icapturing"):
+                s.add(Snapshot(id=f"snp_{sid}", kind=SnapshotKind.PERIODIC, status=SnapshotStatus.COMMITTED,
+                               source_sandbox_id=sid, vmstate_location="/v", memory_location="/m",
+                               config=SnapshotConfig(shape=SHAPE)))
             s.add(NetworkSlot(slot_index=3, netns="aenv-x-3", host_ip="10.0.0.1", slot_ip="10.0.0.2",
                               sandbox_id="irun2"))
         for sid in ("irun2", "iperiodic"):
@@ -76,7 +78,8 @@ async def test_a_crashed_runs_sandboxes_are_settled_and_its_leftovers_reaped(nod
             reasons = {e.sandbox_id: (e.detail or {}).get("reason") for e in s.scalars(
                 select(Event).where(Event.operation == "reconcile", Event.to_state.in_(["paused", "killed"])))}
         assert state == {
-            "iperiodic": (S.PAUSED, "snp_per", None),  # its latest periodic snapshot: paused there
+            "iperiodic": (S.PAUSED, "snp_iperiodic", None),  # its latest periodic snapshot: paused there
+            "icapturing": (S.PAUSED, "snp_icapturing", None),  # the same, after the interrupted capture
             "irun2": (S.KILLED, None, None),
             "inotours": (S.KILLED, None, None),
             "iresuming": (S.PAUSED, None, None),  # its pause snapshot is intact
@@ -90,7 +93,8 @@ async def test_a_crashed_runs_sandboxes_are_settled_and_its_leftovers_reaped(nod
             assert not (node_config.run_dir / sid).exists() and not (node_config.sandboxes_dir / sid).exists()
         # the sandbox paused at its periodic snapshot is queued to be published as paused
         (ops,) = [svc for svc in node.services if isinstance(svc, SnapshotOperations)]
-        assert ops._after_pause_recv.receive_nowait() == ("snp_per", "iperiodic")
+        queued = {ops._after_pause_recv.receive_nowait() for _ in range(2)}
+        assert queued == {("snp_iperiodic", "iperiodic"), ("snp_icapturing", "icapturing")}
     finally:
         if leftover.poll() is None:
             leftover.kill()
