@@ -55,13 +55,16 @@ def _is_our_vmm(pid: int, sandbox_id: str) -> bool:
     return sandbox_id.encode() in cmdline
 
 
-def _settle_rows(s: Session) -> tuple[list[tuple[str, Optional[int]]], list[tuple[str, str]]]:
-    """Every sandbox the previous run left live, settled; (sandbox, pid) found, (snapshot, sandbox) to
-    publish again."""
-    found: list[tuple[str, Optional[int]]] = []
+def _left_live(s: Session) -> list[tuple[str, Optional[int]]]:
+    """(sandbox, recorded VMM pid) of every sandbox the previous run left live."""
+    return [(sid, pid) for sid, pid in s.execute(
+        select(Sandbox.id, Sandbox.vmm_pid).where(Sandbox.state.in_(LIVE_STATES)))]
+
+
+def _settle_rows(s: Session) -> list[tuple[str, str]]:
+    """Every sandbox the previous run left live, settled; (snapshot, sandbox) to publish again."""
     republish: list[tuple[str, str]] = []
     for sb in s.scalars(select(Sandbox).where(Sandbox.state.in_(LIVE_STATES))):
-        found.append((sb.id, sb.vmm_pid))
         current = sb.state
         if current == S.RESUMING:
             # its pause snapshot is intact: it is still paused
@@ -87,7 +90,7 @@ def _settle_rows(s: Session) -> tuple[list[tuple[str, Optional[int]]], list[tupl
         repo.transition(s, sb.id, S.KILLED, operation="reconcile", vmm_pid=None, slot_index=None,
                         detail={"reason": "the node restarted; its VMM did not survive"})
     s.execute(delete(NetworkSlot))
-    return found, republish
+    return republish
 
 
 class Reconciler:
@@ -100,11 +103,8 @@ class Reconciler:
     async def __call__(self, node: Node) -> None:
         p = self.parts
         await remove_orphans(p.netcfg)
-        found, republish = await p.db.run(_settle_rows)
-        for snapshot_id, sid in republish:
-            # published as a pause once the operations run, so its repository record says paused (and other
-            # nodes may resume it) instead of running on this node
-            self.ops.after_pause(snapshot_id, sid)
+        # what the last run left goes first, whatever the rows below turn out to need: nothing else owns it
+        found = await p.db.run(_left_live)
         for sid, pid in found:
             if pid and _is_our_vmm(pid, sid):
                 log.warning("reconcile: killing leftover VMM %d of sandbox %s", pid, sid)
@@ -115,6 +115,11 @@ class Reconciler:
             # its sockets and its writable upper died with it (a pause's state is in its snapshot)
             shutil.rmtree(p.cfg.run_dir / sid, ignore_errors=True)
             shutil.rmtree(p.cfg.sandboxes_dir / sid, ignore_errors=True)
+        republish = await p.db.run(_settle_rows)
+        for snapshot_id, sid in republish:
+            # published as a pause once the operations run, so its repository record says paused (and other
+            # nodes may resume it) instead of running on this node
+            self.ops.after_pause(snapshot_id, sid)
         for sid, _ in found:  # a record naming this node as running would make other nodes refuse it
             try:
                 await settle_record(p.db, p.repository, sid, p.owner)
