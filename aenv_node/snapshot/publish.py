@@ -81,7 +81,7 @@ from ..state.repository import insert_sandbox, record_event, update_sandbox
 from ..storage import LayerRef, import_raw
 from ..storage.repository.base import CAS_RETRIES, Ownership, Repository, layer_key
 from ..storage.repository.errors import OwnershipChanged, OwnershipConflict, OwnershipLost
-from .layers import record_stack, stack_of
+from .layers import record_stack, ref_of, stack_of
 from .manifest import DiskLayerRef, SandboxRecord, SnapshotManifest
 
 __all__ = ["publish_snapshot", "import_sandbox", "owner_id", "Claim", "claim_for_resume", "release_claim",
@@ -104,7 +104,7 @@ async def _memory_base_layer(db: Database, layers_dir: Path, memory_base: str) -
                                                    Snapshot.memory_base_layer.is_not(None))):
             layer = s.get(Layer, sn.memory_base_layer)
             if layer is not None:
-                return LayerRef(layer.digest, Path(layer.local_path) if layer.local_path else None)
+                return ref_of(layer)
         return None
 
     found = await db.run(find)
@@ -122,7 +122,7 @@ async def _memory_base_layer(db: Database, layers_dir: Path, memory_base: str) -
                   .values(memory_base_layer=digest))
 
     await db.run(record)
-    return LayerRef(digest, Path(info.path))
+    return LayerRef.local(info.path, digest)
 
 
 async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, snapshot_id: str,
