@@ -1,7 +1,8 @@
 """Real S3-compatible HTTP servers for the storage tests, started as subprocesses.
 
 * moto in server mode (``moto_endpoint``): the main test server; it implements every call the repository uses
-  (including ListMultipartUploads, so tests can check that no upload is left pending).
+  (including ListMultipartUploads, so tests can check that no upload is left pending).  It is started through
+  moto_atomic.py, which makes moto's conditional writes atomic, as AWS's are.
 * s3rver (``big_s3``), a file-backed Node server installed by scripts/setup.d/55-s3rver.sh: used for large
   objects, because moto copies the whole object on each ranged GET (about 1 s per GET at 1 GiB).  When s3rver is
   not installed, ``big_s3`` falls back to moto.
@@ -45,9 +46,8 @@ class MotoServer:
         self.data_dir: str | None = None
 
     def command(self, port: int) -> list[str]:
-        exe = Path(sys.executable).with_name("moto_server")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-        return cmd + ["-H", "127.0.0.1", "-p", str(port)]
+        # moto's own app, with its conditional writes made atomic as on AWS (see moto_atomic.py for why).
+        return [sys.executable, str(Path(__file__).with_name("moto_atomic.py")), "127.0.0.1", str(port)]
 
     def start(self) -> str:
         with self.lock:
