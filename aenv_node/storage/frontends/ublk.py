@@ -16,7 +16,9 @@ languages; there is no maintained Python ublk server. The protocol (include/uapi
 Shape (structured concurrency): ``serve_ublk(device)`` adds and starts the device and runs the queue thread
 in a nursery; on exit it stops the device (STOP_DEV while the queue still serves, so in-flight I/O drains),
 stops and joins the queue thread (closing its ring cancels the outstanding fetches), closes the char
-device and deletes the device (DEL_DEV). One hardware queue; ``queue_depth`` tags.
+device and deletes the device (DEL_DEV). ``queues`` hardware queues (the kernel spreads I/O over them by the
+submitting CPU), each with ``queue_depth`` tags, its own ring, descriptor array and buffers, served by its own
+thread; a queue that fails ends the whole device (its ``async with`` raises), never another device.
 
 Tested only inside a QEMU TCG guest whose kernel has ublk_drv (Debian's 6.12 cloud kernel; the 6.1 cloud
 kernel has CONFIG_BLK_DEV_UBLK unset), see tests/storage/frontends/test_ublk_guest.py.
@@ -84,6 +86,7 @@ PARAM_TYPE_DISCARD = 1 << 1
 
 CMD_BUF_OFFSET = 0
 MAX_QUEUE_DEPTH = 4096
+MAX_QUEUES = 64
 _IO_DESC = struct.Struct("<IIQQ")  # op_flags, nr_sectors, start_sector, addr
 _IO_CMD = struct.Struct("<HHiQ")  # q_id, tag, result, addr
 _CTRL_CMD = struct.Struct("<IHHQQQ")  # dev_id, queue_id, len, addr, data[2]
@@ -117,6 +120,7 @@ class UblkServer:
         self,
         device: BlockDevice,
         *,
+        queues: int = 1,
         queue_depth: int = 64,
         max_io_bytes: int = 512 * 1024,
         control_path: str = CONTROL_PATH,
@@ -125,7 +129,10 @@ class UblkServer:
             raise UblkError(f"device size {device.size} is not a multiple of 512 bytes")
         if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
             raise ValueError(f"queue_depth must be in 1..{MAX_QUEUE_DEPTH}")
+        if not 1 <= queues <= MAX_QUEUES:
+            raise ValueError(f"queues must be in 1..{MAX_QUEUES}")
         self.device = device
+        self.queues = queues
         self.queue_depth = queue_depth
         self.max_io_bytes = max_io_bytes
         self.control_path = control_path
@@ -134,12 +141,17 @@ class UblkServer:
         self._ctrl_fd = -1
         self._ctrl_lock = threading.Lock()
         self._cdev_fd = -1
-        self._descs: mmap.mmap | None = None
-        self._bufs: mmap.mmap | None = None
-        self._fetched = threading.Event()
+        self._descs: list[mmap.mmap] = []
+        self._bufs: list[mmap.mmap] = []
+        self._fetched = [threading.Event() for _ in range(queues)]
         self._stopping = False
         self._started = False
-        self.ios = 0
+        self._ios = [0] * queues  # one counter per queue thread (no shared += across threads)
+
+    @property
+    def ios(self) -> int:
+        """Requests served so far, over all queues."""
+        return sum(self._ios)
 
     @property
     def block_path(self) -> str:
@@ -175,11 +187,13 @@ class UblkServer:
             raise UblkUnavailable(f"{self.control_path} does not exist: the kernel has no ublk_drv "
                                   "(CONFIG_BLK_DEV_UBLK) or the module is not loaded") from exc
         self._ctrl = Ring(4, sqe128=True)
-        info = bytearray(_DEV_INFO.pack(1, self.queue_depth, 0, 0, self.max_io_bytes, 0xFFFFFFFF, os.getpid(), 0,
+        info = bytearray(_DEV_INFO.pack(self.queues, self.queue_depth, 0, 0, self.max_io_bytes, 0xFFFFFFFF, os.getpid(), 0,
                                         F_CMD_IOCTL_ENCODE, 0, 0, 0, 0))
         self._control(U_CMD_ADD_DEV, buf=info, dev_id=-1)
         fields = _DEV_INFO.unpack(info)
         self.dev_id = fields[5]
+        if fields[0] != self.queues:
+            raise UblkError(f"ublk gave {fields[0]} queues, {self.queues} were asked for")
         self.max_io_bytes = fields[4] or self.max_io_bytes
         size = self.device.size
         sectors = self.max_io_bytes >> 9
@@ -192,14 +206,19 @@ class UblkServer:
         self._control(U_CMD_SET_PARAMS, buf=params)
         _wait_for(self.char_path, 5.0)
         self._cdev_fd = os.open(self.char_path, os.O_RDWR | os.O_CLOEXEC)
+        # each queue's descriptor array is mapped at its own offset: q * (room for MAX_QUEUE_DEPTH descriptors)
         desc_len = _round_up(self.queue_depth * _IO_DESC.size, _PAGE)
-        self._descs = mmap.mmap(self._cdev_fd, desc_len, mmap.MAP_SHARED, mmap.PROT_READ, offset=CMD_BUF_OFFSET)
-        self._bufs = mmap.mmap(-1, self.queue_depth * self.max_io_bytes)
+        stride = _round_up(MAX_QUEUE_DEPTH * _IO_DESC.size, _PAGE)
+        for q in range(self.queues):
+            self._descs.append(mmap.mmap(self._cdev_fd, desc_len, mmap.MAP_SHARED, mmap.PROT_READ,
+                                         offset=CMD_BUF_OFFSET + q * stride))
+            self._bufs.append(mmap.mmap(-1, self.queue_depth * self.max_io_bytes))
 
     def start(self) -> None:
-        """START_DEV once the queue thread has fetched every tag (blocking)."""
-        if not self._fetched.wait(10):
-            raise UblkError("the ublk queue thread did not fetch its tags")
+        """START_DEV once every queue thread has fetched every tag (blocking)."""
+        for q, fetched in enumerate(self._fetched):
+            if not fetched.wait(10):
+                raise UblkError(f"ublk queue {q} did not fetch its tags")
         self._control(U_CMD_START_DEV, data0=os.getpid())
         self._started = True
         _wait_for(self.block_path, 5.0)  # devtmpfs may publish the node a moment after START_DEV returns
@@ -215,9 +234,9 @@ class UblkServer:
     def delete(self) -> None:
         """Close the char device and DEL_DEV (after the queue thread returned)."""
         self._stopping = True
-        if self._descs is not None:
-            self._descs.close()
-            self._descs = None
+        for d in self._descs:
+            d.close()
+        self._descs = []
         if self._cdev_fd >= 0:
             os.close(self._cdev_fd)
             self._cdev_fd = -1
@@ -231,17 +250,16 @@ class UblkServer:
             if self._ctrl_fd >= 0:
                 os.close(self._ctrl_fd)
                 self._ctrl_fd = -1
-            if self._bufs is not None:
+            for b in self._bufs:
                 try:
-                    self._bufs.close()
+                    b.close()
                 except BufferError:
                     pass
-                self._bufs = None
+            self._bufs = []
 
     # --- the queue (runs in its own OS thread) -----------------------------------------------------------
-    def serve_queue(self) -> None:
-        assert self._bufs is not None and self._descs is not None
-        bufs = self._bufs
+    def serve_queue(self, q: int = 0) -> None:
+        bufs, descs = self._bufs[q], self._descs[q]
         base = _addr(bufs)
         maxio = self.max_io_bytes
         ring = Ring(self.queue_depth)
@@ -249,32 +267,31 @@ class UblkServer:
         try:
             for tag in range(self.queue_depth):
                 ring.prep(OP_URING_CMD, fd, off=U_IO_FETCH_REQ, user_data=tag,
-                          cmd=_IO_CMD.pack(0, tag, 0, base + tag * maxio))
+                          cmd=_IO_CMD.pack(q, tag, 0, base + tag * maxio))
             ring.submit()
-            self._fetched.set()
+            self._fetched[q].set()
             active = self.queue_depth
             while active and not self._stopping:
                 ring.submit(wait=1, timeout=0.2)
                 for tag, res, _flags in ring.completions():
                     if res == IO_RES_OK:
-                        result = self._do_io(tag, bufs, maxio)
+                        result = self._do_io(descs, tag, bufs, maxio)
+                        self._ios[q] += 1
                         ring.prep(OP_URING_CMD, fd, off=U_IO_COMMIT_AND_FETCH_REQ, user_data=tag,
-                                  cmd=_IO_CMD.pack(0, tag, result, base + tag * maxio))
+                                  cmd=_IO_CMD.pack(q, tag, result, base + tag * maxio))
                     else:
                         if res != IO_RES_ABORT:
-                            log.warning("ublk fetch for tag %d completed with %d", tag, res)
+                            log.warning("ublk queue %d: fetch for tag %d completed with %d", q, tag, res)
                         active -= 1
         finally:
             ring.close()  # cancels any outstanding fetch
 
-    def _do_io(self, tag: int, bufs: mmap.mmap, maxio: int) -> int:
-        assert self._descs is not None
-        op_flags, nr_sectors, start_sector, _addr_ = _IO_DESC.unpack_from(self._descs, tag * _IO_DESC.size)
+    def _do_io(self, descs: mmap.mmap, tag: int, bufs: mmap.mmap, maxio: int) -> int:
+        op_flags, nr_sectors, start_sector, _addr_ = _IO_DESC.unpack_from(descs, tag * _IO_DESC.size)
         op: int = op_flags & 0xFF
         offset: int = start_sector << 9
         length: int = nr_sectors << 9
         dev = self.device
-        self.ios += 1
         try:
             if op == OP_READ:
                 if length > maxio:
@@ -314,6 +331,7 @@ class UblkServer:
 async def serve_ublk(
     device: BlockDevice,
     *,
+    queues: int = 1,
     queue_depth: int = 64,
     max_io_bytes: int = 512 * 1024,
     control_path: str = CONTROL_PATH,
@@ -324,11 +342,13 @@ async def serve_ublk(
     """
     if not os.path.exists(control_path):
         raise UblkUnavailable(f"{control_path} does not exist: the kernel has no ublk_drv (CONFIG_BLK_DEV_UBLK)")
-    srv = UblkServer(device, queue_depth=queue_depth, max_io_bytes=max_io_bytes, control_path=control_path)
+    srv = UblkServer(device, queues=queues, queue_depth=queue_depth, max_io_bytes=max_io_bytes,
+                     control_path=control_path)
     try:
         await trio.to_thread.run_sync(srv.add)
         async with open_service_nursery() as nursery:
-            nursery.start_soon(_run_queue, srv)
+            for q in range(srv.queues):
+                nursery.start_soon(_run_queue, srv, q)
             try:
                 await trio.to_thread.run_sync(srv.start)
                 yield srv
@@ -340,5 +360,5 @@ async def serve_ublk(
             await trio.to_thread.run_sync(srv.delete)
 
 
-async def _run_queue(srv: UblkServer) -> None:
-    await trio.to_thread.run_sync(srv.serve_queue, abandon_on_cancel=False)
+async def _run_queue(srv: UblkServer, q: int) -> None:
+    await trio.to_thread.run_sync(srv.serve_queue, q, abandon_on_cancel=False)

@@ -75,16 +75,20 @@ async def main() -> None:
     os.makedirs("/tmp/u", exist_ok=True)
     dev = FlatFileDevice("/tmp/u/backing.img", SIZE)
     dev.pwrite(0, os.urandom(SIZE))
-    async with serve_ublk(dev, queue_depth=32) as srv:
+    async with serve_ublk(dev, queues=2, queue_depth=32) as srv:
         path = srv.block_path
         print("ublk device", path, "char", srv.char_path, flush=True)
+        # one blk-mq hardware context per queue we serve
+        hctx = os.listdir(f"/sys/block/{os.path.basename(path)}/mq")
+        assert len(hctx) == 2, f"the disk has {len(hctx)} hardware queues, not 2: {hctx}"
         result = await trio.to_thread.run_sync(exercise, path, dev)
+        per_queue = list(srv._ios)  # which queue serves depends on the CPU that submitted: not asserted
     for _ in range(500):  # the node goes away with the disk (devtmpfs may lag a moment)
         if not os.path.exists(path):
             break
         time.sleep(0.01)
     assert not os.path.exists(path), f"{path} still exists after the server stopped"
-    print(f"UBLK-CHECK-OK ios={srv.ios} {result}", flush=True)
+    print(f"UBLK-CHECK-OK ios={srv.ios} per_queue={per_queue} {result}", flush=True)
 
 
 def diagnostics() -> None:
