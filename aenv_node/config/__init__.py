@@ -110,6 +110,8 @@ class StorageSection:
     cache_low_watermark: float = 0.70
     repository_gc_interval_s: float = 3600
     repository_gc_grace_s: float = 3600
+    block_frontend: str = "auto"
+    ublk_queues: int = 2
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vmm", "accel"): ("auto", "kvm", "tcg"),
     ("storage", "repository"): ("posix_fs", "s3"),
     ("storage", "s3_conditional_writes"): ("auto", "true", "false"),
+    ("storage", "block_frontend"): ("auto", "nbd", "ublk", "fuse"),
     ("node", "log_level"): ("debug", "info", "warning", "error"),
 }
 

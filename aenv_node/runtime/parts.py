@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..net import NetworkConfig, SlotPool
 from ..snapshot.gc import GarbageCollector, LiveStack
+from ..snapshot.machine import DiskFrontend
 from ..snapshot.publish import owner_id
 from ..snapshot.store import SnapshotStore
 from ..state import Database
 from ..storage.cache import LayerCache
+from ..storage.frontends import FrontendKind, choose_frontend
 from ..storage.repository import Repository, open_repository
 from ..vmm import Accel, VmmDriver, make_driver
 from ..vmm.capture_buffer import CaptureBufferPool
@@ -67,6 +69,8 @@ class NodeParts:
     netcfg: NetworkConfig
     driver: VmmDriver
     accel: Accel
+    #: how sandbox disks reach the VMM (NBD for QEMU; ublk, else FUSE, for Firecracker)
+    frontend: DiskFrontend
     #: templates get a free-page-reporting balloon (QEMU only: Firecracker refuses it on copy-on-write
     #: memory); sandboxes restored from them inherit it
     free_page_reporting: bool
@@ -87,6 +91,16 @@ class NodeParts:
                              tcg_restore_tb_size_mib=cfg.vmm.tcg_tb_size_restore_mb,
                              qemu_cow_discard=cfg.vmm.free_page_reporting)
         log.info("VMM %s with %s (%s)", choice.driver.name, choice.accel.value, choice.info.reason)
+        frontend = DiskFrontend(choose_frontend(cfg.storage.block_frontend, vmm_takes_nbd=choice.driver.nbd_client),
+                                ublk_queues=cfg.storage.ublk_queues)
+        log.info("sandbox disks through %s (storage.block_frontend = %s)", frontend.kind.value,
+                 cfg.storage.block_frontend)
+        free_page_reporting = cfg.vmm.free_page_reporting and choice.driver.name == "qemu"
+        if free_page_reporting and frontend.kind is not FrontendKind.NBD:
+            # QEMU's discard guard (the balloon over copy-on-write RAM) would also swallow guest discards on a
+            # writable file drive: vmm/qemu/driver.py refuses the pair, so say it here, once, at start
+            raise ConfigError(f"vmm.free_page_reporting needs NBD disks under QEMU; storage.block_frontend = "
+                              f"{frontend.kind.value}: set vmm.free_page_reporting = false or use nbd")
         store = SnapshotStore(db, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir)
         parts: NodeParts
         gc = GarbageCollector(db, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
@@ -96,8 +110,8 @@ class NodeParts:
         parts = cls(
             cfg=cfg, db=db, node_id=node_id,
             netcfg=NetworkConfig(node_tag=tag, pool_cidr=cfg.net.pool_cidr, egress=cfg.net.egress),
-            driver=choice.driver, accel=choice.accel,
-            free_page_reporting=cfg.vmm.free_page_reporting and choice.driver.name == "qemu",
+            driver=choice.driver, accel=choice.accel, frontend=frontend,
+            free_page_reporting=free_page_reporting,
             repository=_open_repository(cfg),
             capture_buffers=CaptureBufferPool(cfg.snapshot.capture_buffer_mib << 20, cfg.snapshot.capture_buffers),
             store=store, gc=gc, owner=owner_id(node_id, tag))

@@ -66,7 +66,8 @@ class LiveSandboxes:
 
     async def _run(self, spec: SandboxSpec, *, task_status: trio.TaskStatus[SandboxHandle]) -> None:
         try:
-            await run_sandbox(spec, db=self.parts.db, driver=self.parts.driver, pool=self.parts.running_pool(),
+            await run_sandbox(spec, db=self.parts.db, driver=self.parts.driver, frontend=self.parts.frontend,
+                              pool=self.parts.running_pool(),
                               live=self.live, cache=self.parts.cache, task_status=task_status)
         finally:
             with trio.CancelScope(shield=True):

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from ..net import EgressPolicy, Slot, SlotPool
 from ..snapshot.envd import init_envd
-from ..snapshot.machine import open_machine
+from ..snapshot.machine import DiskFrontend, open_machine
 from ..snapshot.source import SnapshotSource
 from ..state import Database, Sandbox, SandboxState
 from ..state import repository as repo
@@ -94,6 +94,7 @@ async def run_sandbox(
     *,
     db: Database,
     driver: VmmDriver,
+    frontend: DiskFrontend,
     pool: SlotPool,
     live: dict[str, SandboxHandle],
     cache: Optional[LayerSourceProvider] = None,
@@ -112,7 +113,7 @@ async def run_sandbox(
             try:
                 async with open_machine(driver, src.shape, disk=image, slot=slot, workdir=spec.workdir,
                                         run_dir=spec.run_dir, snapshot=src.files,
-                                        name=f"aenv-{sid}") as m:
+                                        name=f"aenv-{sid}", frontend=frontend) as m:
                     t_restored = time.monotonic()
                     await init_envd(slot.address, env_vars=spec.env_vars,
                                     access_token=spec.access_token,

@@ -56,7 +56,7 @@ class TemplateService:
         p = self.parts
         cfg = p.cfg
         return BaseTemplateInputs(
-            driver=p.driver, accel=p.accel, free_page_reporting=p.free_page_reporting,
+            driver=p.driver, accel=p.accel, frontend=p.frontend, free_page_reporting=p.free_page_reporting,
             images_cache_dir=cfg.images_cache_dir, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
             work_root=cfg.state_dir / "builds", run_root=cfg.run_dir, vcpus=cfg.sandbox.default_cpu_count,
             mem_mib=cfg.sandbox.default_memory_mb, disk_size_mb=cfg.sandbox.default_disk_size_mb,

@@ -1,8 +1,9 @@
-"""One sandbox machine, assembled: disk image + NBD server + network slot + VMM process.
+"""One sandbox machine, assembled: disk image + disk frontend + network slot + VMM process.
 
 Template builds (boot) and sandboxes (restore) run the same machine; only the
 way the VMM starts differs. ``open_machine`` owns, for the duration of its
-``async with``, the NBD server exporting the rootfs image and the VMM process;
+``async with``, the frontend exporting the rootfs image (NBD, ublk or FUSE, as
+``DiskFrontend`` says: storage/frontends/export.py) and the VMM process;
 the caller owns the image (it seals or discards it) and the slot (it returns it
 to the pool). Leaving the block, by any path, stops the VMM first and the disk
 server second, so the guest never sees its disk vanish under it.
@@ -22,16 +23,24 @@ from typing import AsyncIterator
 from ..net import Slot
 from ..state import MachineShape
 from ..storage import BlockDevice
-from ..storage.frontends.nbd import NbdServer, serve_nbd
+from ..storage.frontends import DiskExport, FrontendKind, export_disk
 from ..vmm import Accel, BalloonConfig, Drive, MemoryMode, NetIf, SnapshotFiles, Vm, VmConfig, VmmDriver
 
-__all__ = ["Machine", "open_machine"]
+__all__ = ["DiskFrontend", "Machine", "open_machine"]
+
+
+@dataclass(frozen=True)
+class DiskFrontend:
+    """How every machine of this node gets its disk (chosen once per node, from config and the VMM)."""
+
+    kind: FrontendKind = FrontendKind.NBD
+    ublk_queues: int = 1
 
 
 @dataclass
 class Machine:
     vm: Vm
-    nbd: NbdServer
+    disk: DiskExport
     slot: Slot
     config: VmConfig
 
@@ -48,12 +57,13 @@ async def open_machine(
     snapshot: SnapshotFiles | None = None,
     mem_file: Path | None = None,
     name: str = "aenv-vm",
+    frontend: DiskFrontend = DiskFrontend(),
 ) -> AsyncIterator[Machine]:
     """Start the machine: boot it (``snapshot`` None; RAM in ``mem_file`` mapped shared, so a later capture
     only saves device state) or restore it from ``snapshot`` (its memory image mapped copy-on-write)."""
     workdir.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    async with serve_nbd(disk, run_dir / "disk.sock") as nbd:
+    async with export_disk(frontend.kind, disk, run_dir, ublk_queues=frontend.ublk_queues) as exported:
         config = VmConfig(
             workdir=workdir,
             kernel=Path(shape.kernel),
@@ -61,7 +71,7 @@ async def open_machine(
             mem_mib=shape.mem_mib,
             initrd=Path(shape.initrd),
             cmdline=shape.cmdline,
-            drives=(Drive(nbd.uri), Drive(shape.tools_img, read_only=True)),
+            drives=(Drive(exported.source), Drive(shape.tools_img, read_only=True)),
             net=NetIf(tap=slot.tap, mac=slot.guest_mac),
             mem_file=mem_file,
             mem_mode=MemoryMode.SHARED if snapshot is None else MemoryMode.PRIVATE,
@@ -78,4 +88,4 @@ async def open_machine(
         else:
             ctx = driver.restore(config, snapshot)
         async with ctx as vm:
-            yield Machine(vm=vm, nbd=nbd, slot=slot, config=config)
+            yield Machine(vm=vm, disk=exported, slot=slot, config=config)

@@ -16,7 +16,8 @@ from ..images import Kit, ensure_base_rootfs, ensure_kit, kernel_cmdline
 from ..images.kit import host_tsc_khz
 from ..net import SlotPool
 from ..state import BuildStatus, Database, Snapshot, Template
-from ..vmm import Accel, VmmDriver
+from ..snapshot.machine import DiskFrontend
+from ..vmm import Accel, KernelFormat, VmmDriver
 from .build import BuildResult, TemplateSource, build_template
 
 __all__ = ["BaseTemplateInputs", "base_template_current", "ensure_base_template"]
@@ -30,6 +31,7 @@ class BaseTemplateInputs:
 
     driver: VmmDriver
     accel: Accel
+    frontend: DiskFrontend
     free_page_reporting: bool
     images_cache_dir: Path
     layers_dir: Path
@@ -42,6 +44,11 @@ class BaseTemplateInputs:
     envd_version: str
 
 
+def kernel_of(kit: Kit, driver: VmmDriver) -> Path:
+    """The kit's kernel image in the format ``driver`` boots."""
+    return kit.vmlinux if driver.kernel_format is KernelFormat.ELF else kit.vmlinuz
+
+
 def base_template_current(s: Session, template_id: str, kit: Kit, rootfs: Path, inputs: BaseTemplateInputs
                           ) -> Optional[str]:
     """The template's boot snapshot if it was built from this kit, root filesystem and machine, else None."""
@@ -52,7 +59,7 @@ def base_template_current(s: Session, template_id: str, kit: Kit, rootfs: Path, 
     if sn is None or sn.config is None:
         return None
     shape = sn.config.shape
-    if shape.kernel != str(kit.vmlinuz) or shape.tools_img != str(kit.tools_img) \
+    if shape.kernel != str(kernel_of(kit, inputs.driver)) or shape.tools_img != str(kit.tools_img) \
             or shape.accel != inputs.accel.value or shape.free_page_reporting != inputs.free_page_reporting \
             or sn.config.rootfs != str(rootfs):
         return None
@@ -68,11 +75,11 @@ async def ensure_base_template(db: Database, pool: SlotPool, template_id: str,
         return None
     log.info("building template %r (kit %s)", template_id, kit.hash[:12])
     tsc = host_tsc_khz() if inputs.accel is Accel.TCG else None
-    source = TemplateSource(rootfs=rootfs, kernel=kit.vmlinuz, initrd=kit.initramfs, tools_img=kit.tools_img,
+    source = TemplateSource(rootfs=rootfs, kernel=kernel_of(kit, inputs.driver), initrd=kit.initramfs, tools_img=kit.tools_img,
                             cmdline=kernel_cmdline(tsc_khz=tsc), kit_hash=kit.hash,
                             free_page_reporting=inputs.free_page_reporting)
     result = await build_template(
-        db=db, driver=inputs.driver, accel=inputs.accel.value, pool=pool, source=source,
+        db=db, driver=inputs.driver, accel=inputs.accel.value, pool=pool, frontend=inputs.frontend, source=source,
         layers_dir=inputs.layers_dir, snapshots_dir=inputs.snapshots_dir, work_root=inputs.work_root,
         run_root=inputs.run_root, template_id=template_id, alias=template_id, vcpus=inputs.vcpus,
         mem_mib=inputs.mem_mib, disk_size_mb=inputs.disk_size_mb, envd_version=inputs.envd_version)

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from ..net import SlotPool
 from ..snapshot.envd import wait_envd
 from ..snapshot.layers import layer_digest, record_stack, reference_layer
-from ..snapshot.machine import open_machine
+from ..snapshot.machine import DiskFrontend, open_machine
 from ..state import (
     BuildStatus,
     Database,
@@ -83,6 +83,7 @@ async def build_template(
     driver: VmmDriver,
     accel: str,
     pool: SlotPool,
+    frontend: DiskFrontend,
     source: TemplateSource,
     layers_dir: Path,
     snapshots_dir: Path,
@@ -136,7 +137,7 @@ async def build_template(
             t_boot = time.monotonic()
             async with open_machine(driver, shape, disk=image, slot=slot, workdir=workdir,
                                     run_dir=run_root / build_id, mem_file=snap_dir / "memory",
-                                    name=f"aenv-build-{template_id}") as m:
+                                    name=f"aenv-build-{template_id}", frontend=frontend) as m:
                 await wait_envd(slot.address, timeout=boot_timeout_s)
                 boot_s = time.monotonic() - t_boot
                 log.info("template %s: envd ready %.1fs after boot; capturing", template_id, boot_s)

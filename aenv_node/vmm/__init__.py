@@ -13,6 +13,7 @@ from .driver import (
     CaptureKind,
     CaptureResult,
     Drive,
+    KernelFormat,
     MemoryMode,
     NetIf,
     SnapshotFiles,
@@ -43,6 +44,7 @@ from .select import DriverChoice, make_driver
 __all__ = [
     "PAGE_SIZE",
     "Accel",
+    "KernelFormat",
     "AccelInfo",
     "BalloonConfig",
     "BalloonNotAllowed",

@@ -60,6 +60,14 @@ class MemoryMode(enum.StrEnum):
     ANONYMOUS = "anonymous"
 
 
+class KernelFormat(enum.StrEnum):
+    """Which image of the guest kernel a VMM boots: the compressed ``bzImage`` or the uncompressed ELF ``vmlinux``
+    (Firecracker on x86 loads only ELF)."""
+
+    BZIMAGE = "bzimage"
+    ELF = "elf"
+
+
 class CaptureKind(enum.StrEnum):
     FULL = "full"
     DIFF = "diff"
@@ -316,6 +324,11 @@ class VmmDriver(Protocol):
     """A VMM behind the common interface. Instances are cheap, hold no processes and may be shared."""
 
     name: str
+    #: whether the VMM has its own NBD client (a ``Drive`` may then be an ``nbd+unix://`` URI); one without
+    #: it opens only files and block devices, so its disks go through ublk or FUSE (storage/frontends)
+    nbd_client: bool
+    #: the kernel image the VMM boots
+    kernel_format: KernelFormat
 
     def boot(self, config: VmConfig) -> AbstractAsyncContextManager[Vm]:
         """Start a VMM process and boot the guest; the VM is running when the context is entered."""

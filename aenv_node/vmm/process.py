@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -111,6 +112,39 @@ class VmmProcess:
             delay = min(delay * 2, 0.002)
 
 
+_LINK_SCRIPT = (
+    'mount -t tmpfs -o size=64k,mode=0755 aenv-vm "$1" || exit 125; shift; '
+    'while [ "$1" != -- ]; do ln -s "$1" "$2" || exit 125; shift 2; done; shift; exec "$@"'
+)
+
+
+@dataclass(frozen=True)
+class StableLinks:
+    """Fixed paths for a VMM's files, the same in every process: ``dir/name`` -> ``target``.
+
+    Why: a VMM snapshot records the host paths of the VM's drives (Firecracker 1.12 has no override for them
+    in ``/snapshot/load``), but each restore serves its disk somewhere else (``/dev/ublkbN`` with another N, a
+    file in another FUSE mount). The VMM is started in a private mount namespace (``unshare --mount``) where
+    a tmpfs over ``dir`` holds one symlink per file; a snapshot then names only ``dir/name``, and every
+    restore points those names at its own files. The shell that makes the links execs the VMM, so the pid we
+    hold stays the VMM's, and the namespace (with its tmpfs) goes away with the process.
+    """
+
+    dir: Path
+    links: tuple[tuple[str, Path], ...]
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def exec_prefix(self) -> list[str]:
+        self.dir.mkdir(parents=True, exist_ok=True)  # the mount point, empty and unused on the host
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _LINK_SCRIPT, "sh",
+                str(self.dir)]
+        for name, target in self.links:
+            argv += [str(target), str(self.dir / name)]
+        return [*argv, "--"]
+
+
 @asynccontextmanager
 async def vmm_process(
     argv: Sequence[str],
@@ -122,11 +156,14 @@ async def vmm_process(
     cwd: Path | None = None,
     extra_logs: Sequence[Path] = (),
     seccomp: SeccompFilter | None = None,
+    stable_links: StableLinks | None = None,
 ) -> AsyncIterator[VmmProcess]:
     """Start `argv` (inside `netns` if given); kill, reap and remove `sockets` on exit.
 
     stderr goes to `log_path`; stdout to `stdout_path` (e.g. a serial console) or also to `log_path`.
     `extra_logs`: log files the VMM writes itself, included in error messages.
+    `stable_links`: run the VMM in a private mount namespace where `stable_links.dir` is a tmpfs holding
+    symlinks `name -> target`, so the VMM sees the same paths in every process (see `StableLinks`).
     `seccomp`: a filter the VMM (and `nsenter` before it) runs under from its first instruction: installed
     by the `aenv-seccomp-exec` helper when it is installed, else in the child between fork and exec (which
     costs a fork of this process instead of a vfork; see `seccomp.py`).
@@ -137,6 +174,8 @@ async def vmm_process(
     for s in sockets:
         s.unlink(missing_ok=True)
     full_argv = list(argv)
+    if stable_links is not None:
+        full_argv = [*stable_links.exec_prefix(), *full_argv]
     if netns is not None:
         if not netns.exists():
             raise VmmStartError(f"network namespace {netns} does not exist")

@@ -40,6 +40,7 @@ from ..memory import MemoryRange
 from ..driver import (
     CaptureKind,
     CaptureResult,
+    KernelFormat,
     SnapshotFiles,
     SnapshotFormat,
     Vm,
@@ -55,12 +56,15 @@ from ..errors import (
     VmmExited,
     VmmStartError,
 )
-from ..process import VmmProcess, vmm_process
+from ..process import StableLinks, VmmProcess, vmm_process
 from .api import FirecrackerApi
 
 DEFAULT_FIRECRACKER = Path("/opt/aenv/bin/firecracker")
 _ID_RE = re.compile(r"[A-Za-z0-9-]{1,64}")
 DEFAULT_JAILER = Path("/opt/aenv/bin/jailer")
+#: where an unjailed Firecracker sees its drives (symlinks in its own mount namespace, see StableLinks): the
+#: snapshot records these paths, so every restore finds its own disk under the same names
+DRIVE_DIR = Path("/run/aenv-vm")
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class FirecrackerDriver:
     """
 
     name = "firecracker"
+    nbd_client = False
+    kernel_format = KernelFormat.ELF
 
     def __init__(
         self,
@@ -120,7 +126,7 @@ class FirecrackerDriver:
             drives.append(
                 {
                     "drive_id": f"vd{i}",
-                    "path_on_host": paths.inside(Path(d.source), writable=not d.read_only),
+                    "path_on_host": paths.drive(i, Path(d.source), writable=not d.read_only),
                     "is_root_device": False,
                     "is_read_only": d.read_only,
                 }
@@ -192,6 +198,7 @@ class FirecrackerDriver:
         if self.jailer is None:
             argv = [str(self.binary), "--id", config.name, *fc_args]
             netns = config.netns
+            links = StableLinks(DRIVE_DIR, tuple((f"vd{i}", Path(d.source)) for i, d in enumerate(config.drives)))
         else:
             j = self.jailer
             argv = [
@@ -202,6 +209,7 @@ class FirecrackerDriver:
                 argv += ["--netns", str(config.netns)]
             argv += ["--", *fc_args]
             netns = None
+            links = None
         async with vmm_process(
             argv,
             log_path=wd / "firecracker.stderr",
@@ -210,6 +218,7 @@ class FirecrackerDriver:
             netns=netns,
             cwd=wd,
             extra_logs=[log],
+            stable_links=links,
         ) as proc:
             await proc.wait_for_socket(paths.api_socket, self.start_timeout_s)
             api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)
@@ -301,6 +310,13 @@ class _Paths:
     def host_file(self, name: str) -> Path:
         """A file Firecracker writes: in the workdir, or in the chroot under the jailer."""
         return (self.root / name) if self.root is not None else self.config.workdir / name
+
+    def drive(self, index: int, source: Path, *, writable: bool) -> str:
+        """The path Firecracker is given for drive ``index``: the same for every VM (see ``DRIVE_DIR``), or the
+        hard link in the jailer's chroot."""
+        if self.root is None:
+            return str(DRIVE_DIR / f"vd{index}")
+        return self.inside(source, writable=writable)
 
     def inside(self, path: Path, *, writable: bool = False) -> str:
         """The path Firecracker must be given for host file `path` (hard-linked into the chroot if jailed).

@@ -54,6 +54,7 @@ from ..driver import (
     Accel,
     CaptureKind,
     CaptureResult,
+    KernelFormat,
     MemoryMode,
     SnapshotFiles,
     SnapshotFormat,
@@ -95,6 +96,8 @@ class QemuDriver:
     """
 
     name = "qemu"
+    nbd_client = True
+    kernel_format = KernelFormat.BZIMAGE
 
     def __init__(
         self,
