@@ -1,0 +1,57 @@
+"""The ``kvmhost`` fixtures: a KVM host VM (vm.py) brought up once per module, its node ready to serve."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from . import vm
+
+
+def _wait_base(host: vm.KvmHost, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=host.url, headers={"X-API-KEY": host.api_key}, timeout=30) as c:
+        while time.monotonic() < deadline:
+            r = c.get("/templates/base")
+            if r.status_code == 200 and r.json()["buildStatus"] == "ready":
+                return
+            if r.status_code == 200 and r.json()["buildStatus"] == "error":
+                raise AssertionError(f"base template build failed in the KVM host:\n{host.node_log()[-4000:]}")
+            time.sleep(2)
+    raise AssertionError(f"base template not ready in the KVM host after {timeout_s:.0f} s:\n"
+                         f"{host.node_log()[-4000:]}")
+
+
+def bring_up(vmm_kind: str) -> Iterator[vm.KvmHost]:
+    if shutil.which("qemu-system-x86_64") is None or shutil.which("debootstrap") is None:
+        pytest.skip("qemu-system-x86_64 and debootstrap are needed for the KVM host VM (scripts/setup.sh)")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"aenv-kvmhost-{vmm_kind}-", dir="/var/tmp"))
+    try:
+        host = vm.up(run_dir, vmm=vmm_kind, progress=lambda m: print(f"kvmhost: {m}", flush=True))
+        _wait_base(host)
+        yield host
+    finally:
+        vm.down(run_dir)
+        try:  # for post-mortems: the run directory goes away
+            shutil.copy(run_dir / "console.log", Path("/var/tmp") / f"aenv-kvmhost-{vmm_kind}-last-console.log")
+        except OSError:
+            pass
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def use_host(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Point the unmodified E2B SDK at a KVM host's node, the way a user would (environment variables)."""
+
+    def point(host: vm.KvmHost) -> vm.KvmHost:
+        for k, v in host.env().items():
+            monkeypatch.setenv(k, v)
+        return host
+
+    return point

@@ -1,0 +1,41 @@
+"""QEMU with KVM (``-cpu host``) running Linux guests on a KVM host (a TCG VM with nested SVM, here): the core
+E2B SDK flows. The same node code as under TCG; only the accelerator differs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from . import flows, vm
+from .conftest import bring_up
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def qemu_host() -> Iterator[vm.KvmHost]:
+    yield from bring_up("qemu")
+
+
+@pytest.fixture
+def host(qemu_host: vm.KvmHost, use_host) -> vm.KvmHost:  # type: ignore[no-untyped-def]
+    return use_host(qemu_host)
+
+
+def test_qemu_runs_with_kvm_and_nbd_disks(host: vm.KvmHost) -> None:
+    log = host.node_log()
+    assert "VMM qemu with kvm" in log, log[-3000:]
+    assert "sandbox disks through nbd" in log, log[-3000:]
+
+
+def test_quickstart(host: vm.KvmHost) -> None:
+    flows.quickstart()
+
+
+def test_pause_resume_with_a_running_process(host: vm.KvmHost) -> None:
+    flows.pause_resume_with_running_process()
+
+
+def test_fork_children_diverge(host: vm.KvmHost) -> None:
+    flows.fork_diverges()
