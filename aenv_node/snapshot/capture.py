@@ -75,6 +75,9 @@ class CaptureOutcome:
     dirty_bytes: int
     paused_ms: float  # how long the guest's vCPUs were stopped
     total_ms: float
+    #: the next capture of this VM will hold only pages dirtied after this one (``CaptureResult``): the
+    #: sandbox must then use this snapshot as its memory source
+    rebase: bool = False
 
 
 def _write_memory_layer(cap: CaptureResult, layers_dir: Path) -> LayerInfo:
@@ -204,7 +207,7 @@ async def capture_running(
 
         await db.run(commit)
         return CaptureOutcome(snapshot_id, cap.vmstate, snap_dir / "memory", disk_layers, cap.dirty_bytes,
-                              paused_ms, (time.monotonic() - t0) * 1000)
+                              paused_ms, (time.monotonic() - t0) * 1000, rebase=not cap.since_restore)
     except BaseException:
         with trio.CancelScope(shield=True):
             if take_source_memory and not source.memory.exists() and (snap_dir / "memory").exists():

@@ -199,6 +199,10 @@ class SnapshotOperations:
                 await self._after_failed_capture(handle, operation, exc)
             raise
         handle.source.disk_layers = list(out.disk_layers)
+        if out.rebase:
+            # the VMM's next diff starts from this capture (Firecracker), not from the restore: lay it over
+            # this snapshot's image, or the pages dirtied between the restore and now would be lost
+            handle.source = await self.store.load(out.snapshot_id)
 
         def done(s: Session) -> None:
             sb = repo.transition(s, sid, S.RUNNING, operation=operation, duration_ms=out.total_ms,

@@ -197,7 +197,7 @@ class CaptureResult:
 
     FULL: `memory` is a complete image. DIFF: `memory` is a sparse file of `mem_size` bytes in which only
     `dirty_ranges` hold data; lay them over the image of the VM's previous capture (or of its restore) to
-    get a complete image.
+    get a complete image: which of the two, `since_restore` says.
     """
 
     vmm: str
@@ -211,6 +211,10 @@ class CaptureResult:
     #: DIFF into a capture buffer: the dirty pages are in `buffer.view`, packed in `dirty_ranges` order, and
     #: no `memory` file was written. Valid until the buffer is given back.
     buffer: Any = None
+    #: DIFF: the pages are those dirtied since the VM's restore (QEMU: the pagemap of its copy-on-write
+    #: image, which only grows), not only since its previous capture (Firecracker: KVM's dirty log, reset by
+    #: every snapshot). When False, the next capture of this VM is a diff against *this* capture's image.
+    since_restore: bool = True
 
     @property
     def dirty_bytes(self) -> int:

@@ -18,7 +18,13 @@ def _wait_base(host: vm.KvmHost, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=host.url, headers={"X-API-KEY": host.api_key}, timeout=30) as c:
         while time.monotonic() < deadline:
-            r = c.get("/templates/base")
+            try:
+                r = c.get("/templates/base")
+            except httpx.HTTPError as e:
+                if not host.alive() or "KVMHOST-NODE-EXITED" in host.node_log():
+                    raise AssertionError(f"the KVM host's node went away ({e}):\n{host.node_log()[-4000:]}") from e
+                time.sleep(2)  # a slow answer under double emulation: ask again
+                continue
             if r.status_code == 200 and r.json()["buildStatus"] == "ready":
                 return
             if r.status_code == 200 and r.json()["buildStatus"] == "error":

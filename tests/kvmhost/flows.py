@@ -51,8 +51,11 @@ def pause_resume_with_running_process() -> None:
 
 
 def snapshot_then_create() -> None:
+    """A snapshot, a sandbox from it, then a pause and resume of the snapshotted sandbox itself: its memory must
+    be whole (under Firecracker the pause's diff starts at the snapshot, not at the restore)."""
     sb = Sandbox.create(envs={"FROM": "parent"})
     try:
+        sb.commands.run(COUNTER)
         sb.files.write("/home/user/state.txt", "snapshotted")
         snap = sb.create_snapshot()
         sb.files.write("/home/user/state.txt", "changed after")
@@ -63,9 +66,15 @@ def snapshot_then_create() -> None:
             assert child.commands.run("echo $FROM").stdout == "parent\n"
         finally:
             child.kill()
+        sb.pause()
+        sb = Sandbox.connect(sb.sandbox_id)
+        assert sb.files.read("/home/user/state.txt") == "changed after"
+        a = counter(sb)
+        time.sleep(1)
+        assert counter(sb) > a > 0
         assert Sandbox.delete_snapshot(snap.snapshot_id) is True
     finally:
-        sb.kill()
+        Sandbox.kill(sb.sandbox_id)
 
 
 def fork_diverges() -> None:

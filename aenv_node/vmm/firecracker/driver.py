@@ -449,6 +449,7 @@ class FirecrackerVm(Vm):
                 mem_size=self.config.mem_bytes,
                 dirty_ranges=ranges,
                 duration_s=time.perf_counter() - t0,
+                since_restore=False,  # KVM's dirty log restarts at every snapshot
             )
 
     async def balloon(self, amount_mib: int) -> None:
