@@ -1,0 +1,111 @@
+"""The production path's overhead: the node's create, pause, resume, snapshot and fork under Firecracker on a
+KVM host, against the raw Firecracker operations on the same template snapshot, measured in the same run.
+
+The KVM host is the TCG VM of tests/kvmhost (nested SVM: the sandboxes are real Linux guests under Firecracker
+with KVM, emulated twice over), so absolute times are meaningless; the ratios node / raw are the point.
+
+  node   through the unmodified E2B SDK from this machine (the API forwarded into the VM): create
+         (``Sandbox.create`` -> first command), pause (``sandbox.pause()``), resume (``Sandbox.connect`` ->
+         first command), snapshot (``create_snapshot``), fork of two (``fork(count=2)``); R rounds, medians.
+  raw    inside the VM (tests/kvmhost/raw_ops.py, raw API calls over Firecracker's socket, none of our code):
+         restore = new process + ``/snapshot/load`` + resume; pause = Paused + Diff ``/snapshot/create``;
+         snapshot = pause + Diff + Resumed; fork of two = one Diff of the parent + two restores.
+
+The node's create and resume are compared with raw restore, fork with raw fork. Writes
+bench/results/kvmhost.json; the last line printed is a one-line summary.
+
+Run: .venv/bin/python bench/kvmhost.py [--rounds 3] [--vmm firecracker]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.kvmhost import vm  # noqa: E402
+from tests.kvmhost.conftest import _wait_base  # noqa: E402
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def node_ops(host: vm.KvmHost, rounds: int) -> dict[str, float]:
+    import os
+
+    os.environ.update(host.env())
+    from e2b import Sandbox
+
+    res: dict[str, list[float]] = {"create": [], "pause": [], "resume": [], "snapshot": [], "fork2": []}
+    for _ in range(rounds):
+        d, sb = timed(lambda: Sandbox.create())
+        sb.commands.run("true")
+        res["create"].append(d + 0)
+        d, _ = timed(lambda: sb.create_snapshot())
+        res["snapshot"].append(d)
+        d, _ = timed(sb.pause)
+        res["pause"].append(d)
+        d, sb2 = timed(lambda: Sandbox.connect(sb.sandbox_id))
+        d2, _ = timed(lambda: sb2.commands.run("true"))
+        res["resume"].append(d + d2)
+        d, kids = timed(lambda: sb2.fork(count=2))
+        res["fork2"].append(d)
+        for k in kids:
+            k.kill()
+        sb2.kill()
+        print("node round:", {k: round(v[-1], 2) for k, v in res.items()}, flush=True)
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def raw_ops(host: vm.KvmHost, rounds: int) -> dict[str, float]:
+    out = host.sh(f"/opt/aenv-node/venv/bin/python /opt/aenv-node/src/raw_ops.py {rounds} 2>&1", timeout_s=1800)
+    line = next((ln for ln in out.splitlines()[::-1] if ln.startswith("{")), None)
+    if line is None:
+        raise RuntimeError(f"raw_ops.py printed no result:\n{out[-3000:]}")
+    return dict(json.loads(line))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vmm", default="firecracker")
+    args = ap.parse_args()
+    run_dir = Path(tempfile.mkdtemp(prefix="aenv-kvmhost-bench-", dir="/var/tmp"))
+    try:
+        host = vm.up(run_dir, vmm=args.vmm, shell=True, progress=lambda m: print("kvmhost:", m, flush=True))
+        _wait_base(host)
+        node = node_ops(host, args.rounds)
+        raw = raw_ops(host, args.rounds)
+    finally:
+        vm.down(run_dir)
+        if (run_dir / "console.log").exists():  # for post-mortems: the run directory goes away
+            shutil.copy(run_dir / "console.log", Path("/var/tmp/aenv-kvmhost-bench-last-console.log"))
+        shutil.rmtree(run_dir, ignore_errors=True)
+    pairs = {"create": "restore", "resume": "restore", "pause": "pause", "snapshot": "snapshot", "fork2": "fork2"}
+    ratios = {op: node[op] / raw[floor] for op, floor in pairs.items()}
+    result = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "vmm": args.vmm,
+              "rounds": args.rounds, "node_s": node, "raw_s": raw, "node_over_raw": ratios,
+              "note": "nested: Firecracker+KVM inside a QEMU TCG VM; compare ratios, not absolute times"}
+    out = ROOT / "bench" / "results" / "kvmhost.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for op, floor in pairs.items():
+        print(f"{op:9s} node {node[op] * 1000:8.0f} ms   raw {floor:8s} {raw[floor] * 1000:8.0f} ms   "
+              f"x{ratios[op]:.1f}")
+    print("kvmhost " + " ".join(f"{op}=x{r:.1f}" for op, r in ratios.items()) + f" (wrote {out})")
+
+
+if __name__ == "__main__":
+    main()
