@@ -23,7 +23,8 @@ import httpx
 FC = "/opt/aenv/bin/firecracker"
 WORK = Path("/var/lib/aenv/bench-raw")
 NETNS = "aenvbench"
-DRIVE_DIR = "/run/aenv-vm"  # the node's drive paths (vmm/firecracker/driver.py): the snapshot names them
+DRIVE_DIR = "/run/aenv-vm"
+LIVE: list["Fc"] = []  # every Firecracker started, killed on the way out whatever happens  # the node's drive paths (vmm/firecracker/driver.py): the snapshot names them
 
 
 def template_snapshot(db: str) -> tuple[str, str, str]:
@@ -38,15 +39,20 @@ def template_snapshot(db: str) -> tuple[str, str, str]:
 
 
 class Fc:
-    def __init__(self, name: str, disk: Path, tools: str) -> None:
+    def __init__(self, name: str, disk: Path, tools: str, tap: str = "tap0") -> None:
+        self.tap = tap  # one tap per VM: a tap device has one reader
         self.sock = WORK / f"{name}.sock"
         self.sock.unlink(missing_ok=True)
         links = f"mount -t tmpfs none {DRIVE_DIR} && ln -s {disk} {DRIVE_DIR}/vd0 && ln -s {tools} {DRIVE_DIR}/vd1"
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", NETNS, "unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
              f'{links} && exec {FC} --id {name} --api-sock {self.sock}'],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        LIVE.append(self)
+        deadline = time.monotonic() + 30
         while not self.sock.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"firecracker {name} did not open its API socket (exit {self.proc.poll()})")
             time.sleep(0.001)
         self.http = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.sock)), base_url="http://fc", timeout=300)
 
@@ -59,7 +65,7 @@ class Fc:
         self.call("PUT", "/snapshot/load", {"snapshot_path": vmstate, "enable_diff_snapshots": True,
                                             "mem_backend": {"backend_type": "File", "backend_path": memory},
                                             "resume_vm": True,
-                                            "network_overrides": [{"iface_id": "eth0", "host_dev_name": "tap0"}]})
+                                            "network_overrides": [{"iface_id": "eth0", "host_dev_name": self.tap}]})
 
     def diff(self, out: Path) -> None:
         self.call("PATCH", "/vm", {"state": "Paused"})
@@ -67,6 +73,8 @@ class Fc:
                                                "mem_file_path": str(out / "memory")})
 
     def kill(self) -> None:
+        if self in LIVE:
+            LIVE.remove(self)
         self.http.close()
         self.proc.kill()
         self.proc.wait()
@@ -83,8 +91,9 @@ def main() -> None:
     subprocess.run(["cp", "--sparse=always", str(rootfs), str(disk)], check=True)
     subprocess.run(["ip", "netns", "add", NETNS], check=True)
     try:
-        subprocess.run(["ip", "netns", "exec", NETNS, "ip", "tuntap", "add", "tap0", "mode", "tap"], check=True)
-        subprocess.run(["ip", "netns", "exec", NETNS, "ip", "link", "set", "tap0", "up"], check=True)
+        for tap in ("tap0", "tap1", "tap2"):
+            subprocess.run(["ip", "netns", "exec", NETNS, "ip", "tuntap", "add", tap, "mode", "tap"], check=True)
+            subprocess.run(["ip", "netns", "exec", NETNS, "ip", "link", "set", tap, "up"], check=True)
         out: dict[str, list[float]] = {"restore": [], "pause": [], "snapshot": [], "fork2": []}
         for i in range(rounds):
             t = time.perf_counter()
@@ -116,7 +125,7 @@ def main() -> None:
             parent.call("PATCH", "/vm", {"state": "Resumed"})
             kids = []
             for k in range(2):
-                kid = Fc(f"rawc-{i}-{k}", disk, tools)
+                kid = Fc(f"rawc-{i}-{k}", disk, tools, tap=f"tap{k + 1}")
                 kid.load(vmstate, memory)
                 kids.append(kid)
             out["fork2"].append(time.perf_counter() - t)
@@ -126,6 +135,8 @@ def main() -> None:
                 shutil.rmtree(d)
         print(json.dumps({k: sorted(v)[len(v) // 2] for k, v in out.items()} | {"rounds": rounds}))
     finally:
+        for fc in list(LIVE):
+            fc.kill()
         subprocess.run(["ip", "netns", "del", NETNS], check=False)
         shutil.rmtree(WORK, ignore_errors=True)
 
