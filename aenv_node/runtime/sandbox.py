@@ -82,6 +82,8 @@ class SandboxHandle:
     stop_reason: str = "kill"
     #: Set by a pause: the snapshot the sandbox is paused in.
     paused_snapshot_id: Optional[str] = None
+    #: True while a pause runs (from its PAUSING transition until the VMM is gone or runs again): traffic waits
+    pausing: bool = False
 
     def request_stop(self, reason: str = "kill") -> None:
         if not self.stop_requested.is_set():

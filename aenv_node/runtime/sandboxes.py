@@ -153,8 +153,12 @@ class SandboxService:
             log.warning("settling the ownership record of %s failed: %s", sandbox_id, exc)
 
     async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
-        """The live sandbox for proxied traffic; a paused one with autoResume is resumed first."""
+        """The live sandbox for proxied traffic; a paused one with autoResume is resumed first, and one being
+        paused is waited for (then resumed, with autoResume) instead of being sent traffic it cannot answer."""
         handle = self.registry.get(sandbox_id)
+        if handle is not None and handle.pausing:
+            await self.ops.wait_out_pause(sandbox_id)
+            handle = self.registry.get(sandbox_id)
         if handle is not None:
             return handle
 

@@ -79,6 +79,7 @@ class LiveSandbox(Protocol):
     op_lock: trio.Lock
     done: trio.Event
     paused_snapshot_id: Optional[str]
+    pausing: bool
 
     def request_stop(self, reason: str = "kill") -> None: ...
 
@@ -238,6 +239,18 @@ class SnapshotOperations:
         if not ok:
             handle.request_stop("error")
 
+    async def wait_out_pause(self, sandbox_id: str) -> None:
+        """Return once no pause of ``sandbox_id`` is in progress (at once if none is).
+
+        A pause holds the sandbox's ``op_lock`` from its PAUSING transition until the VMM is gone (or, after a
+        failed capture, running again), so taking that lock is waiting for the outcome. Traffic and resumes
+        that arrive meanwhile must not reach a guest whose vCPUs are stopped: they would time out, or be cut
+        when the pause disconnects the sandbox's streams."""
+        handle = self.launcher.get(sandbox_id)
+        if handle is not None and handle.pausing:
+            async with handle.op_lock:
+                pass
+
     async def snapshot(self, sandbox_id: str, *, name: Optional[str] = None) -> str:
         """Snapshot a running sandbox (brief pause); the snapshot is also a template."""
         handle = self._live_or_conflict(sandbox_id, "snapshot")
@@ -269,6 +282,7 @@ class SnapshotOperations:
                 raise SandboxConflict(f"sandbox {sandbox_id} stopped meanwhile")
             await self.db.run(lambda s: repo.transition(s, sandbox_id, S.PAUSING, operation=reason,
                                                         expect=[S.RUNNING]))
+            handle.pausing = True  # traffic and resumes from now on wait for this pause (wait_out_pause)
             private = await self.db.run(SnapshotStore.memory_is_private, sandbox_id, handle.source.snapshot_id)
             try:
                 out = await self._capture(handle, kind=SnapshotKind.PAUSE, keep_running=False,
@@ -276,6 +290,7 @@ class SnapshotOperations:
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     await self._after_failed_capture(handle, "pause", exc)
+                handle.pausing = False
                 raise
             handle.paused_snapshot_id = out.snapshot_id
             handle.request_stop(reason)
@@ -341,7 +356,9 @@ class SnapshotOperations:
 
         The claim (publish.py ``claim_for_resume``) makes this node the sandbox's only runner
         before anything starts: a sandbox running on another node is a 409 naming that node; one paused
-        on another node (unknown here, or newer there than this node's copy) is imported first."""
+        on another node (unknown here, or newer there than this node's copy) is imported first.
+        A sandbox being paused is resumed once the pause is done (E2B: connect during a pause succeeds)."""
+        await self.wait_out_pause(sandbox_id)
         async with self.resume_lock(sandbox_id), self.gc.pin():
             known = await self.db.run(lambda s: s.get(Sandbox, sandbox_id) is not None)
             if known:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +108,41 @@ def test_ttl_pauses_and_traffic_auto_resumes(sdk_env) -> None:
         # traffic for a paused autoResume sandbox resumes it first
         assert sb.files.read("/home/user/t.txt") == "before timeout"
         assert sdk_env.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'") == [("running",)]
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def _pause_in_background(sdk_env, sb: Sandbox) -> threading.Thread:
+    """Dirty ~200 MiB of guest memory (so the pause has real work to do), start ``sb.pause()`` in a thread and
+    return once the node has the sandbox in ``pausing``."""
+    sb.commands.run("head -c 200M /dev/urandom > /dev/shm/ballast")
+    t = threading.Thread(target=sb.pause)
+    t.start()
+    deadline = time.monotonic() + 30
+    while sdk_env.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'") != [("pausing",)]:
+        assert t.is_alive() and time.monotonic() < deadline, "the pause ended before it was seen pausing"
+        time.sleep(0.005)
+    return t
+
+
+def test_traffic_during_a_pause_waits_for_it_then_auto_resumes(sdk_env) -> None:
+    """Traffic that reaches a sandbox while it is being paused must not be sent to a guest whose vCPUs are stopped
+    (it would time out, or be cut when the pause ends): it waits for the pause, then auto-resumes the sandbox."""
+    sb = Sandbox.create(lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sb.files.write("/home/user/t.txt", "written before the pause")
+        pause = _pause_in_background(sdk_env, sb)
+        assert sb.files.read("/home/user/t.txt") == "written before the pause"  # sent while pausing
+        pause.join(60)
+        assert sdk_env.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'") == [("running",)]
+        ops = [r for r in sdk_env.sql(f"SELECT operation, to_state FROM events WHERE sandbox_id = '{sb.sandbox_id}'"
+                                      " AND to_state IN ('paused', 'running') ORDER BY id")]
+        assert ops[-2:] == [("pause", "paused"), ("resume", "running")], ops
+        # connect while pausing waits too, and resumes what the pause left
+        pause = _pause_in_background(sdk_env, sb)
+        again = Sandbox.connect(sb.sandbox_id)
+        pause.join(60)
+        assert again.files.read("/home/user/t.txt") == "written before the pause"
     finally:
         Sandbox.kill(sb.sandbox_id)
 
