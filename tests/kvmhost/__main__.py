@@ -31,11 +31,14 @@ def main(ctx: click.Context, run_dir: Path) -> None:
 @click.option("--vcpus", type=int, default=2, show_default=True)
 @click.option("--port", type=int, default=None, help="host port for the node's API (default: a free one)")
 @click.option("--shell", is_flag=True, help="a root shell inside for debugging (`kvmhost sh`), on 127.0.0.1 only")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True,
+              help="node.log_level of the node inside (its log is on the VM's console)")
 @click.pass_obj
-def up(run_dir: Path, vmm: str, mem_mib: int, vcpus: int, port: int | None, shell: bool) -> None:
+def up(run_dir: Path, vmm: str, mem_mib: int, vcpus: int, port: int | None, shell: bool, log_level: str) -> None:
     """Build (cached) and boot the VM, wait for the node inside, print how to reach it."""
     try:
-        host = vm.up(run_dir, vmm=vmm, mem_mib=mem_mib, vcpus=vcpus, port=port, shell=shell, progress=_say)
+        host = vm.up(run_dir, vmm=vmm, mem_mib=mem_mib, vcpus=vcpus, port=port, shell=shell,
+                     log_level=log_level, progress=_say)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"# aenv-node in the KVM host VM (pid {host.pid}), API at {host.url}")

@@ -1,10 +1,18 @@
 """Runs INSIDE the KVM host VM (bench/kvmhost.py copies nothing: it is on the project drive): the raw VMM
 operations the node's create, pause, resume, snapshot and fork are built on, on the node's own template snapshot.
 
-Firecracker: a fresh process per restore, ``PUT /snapshot/load`` (memory file mapped copy-on-write) and resume;
-pause = ``PATCH /vm Paused`` + a Diff ``/snapshot/create``; snapshot = pause + Diff + ``Resumed``; fork of N = one
-Diff capture of the parent + N restores. Only raw API calls over the unix socket, none of our driver code, so the
-figures are the floor under the node's. Prints one JSON object.
+``raw_ops.py firecracker ROUNDS``: a fresh process per restore, ``PUT /snapshot/load`` (memory file mapped
+copy-on-write) and resume; pause = ``PATCH /vm Paused`` + a Diff ``/snapshot/create``; snapshot = pause + Diff +
+``Resumed``; fork of N = one Diff capture of the parent + N restores. Only raw API calls over the unix socket,
+none of our driver code, so the figures are the floor under the node's.
+
+``raw_ops.py qemu ROUNDS``: QEMU has no one-call diff snapshot (7.2's migration has no dirty log), so its floor is
+our VMM driver alone (``aenv_node.vmm``, the layer under everything the node adds), as in bench/lifecycle.py:
+restore = QEMU with ``-incoming defer`` + load + ``cont``; pause = stop + device state + the dirty pages copied
+into pre-faulted memory; snapshot = that + ``cont``; fork of N = one such capture + N concurrent restores. Disks
+are plain files (no NBD server), on a tap in a namespace of its own.
+
+Prints one JSON object (medians, seconds) as its last line.
 """
 
 from __future__ import annotations
@@ -81,8 +89,7 @@ class Fc:
         self.sock.unlink(missing_ok=True)
 
 
-def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+def firecracker(rounds: int) -> None:
     vmstate, memory, tools = template_snapshot("/var/lib/aenv/aenv.db")
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -141,6 +148,84 @@ def main() -> None:
         shutil.rmtree(WORK, ignore_errors=True)
 
 
+async def qemu(rounds: int) -> None:
+    import trio
+
+    from _floor import BenchNetns, flat_disk, floor_files, snapshot_files, template_snapshot_id, vm_config
+    from aenv_node.vmm import CaptureKind, QemuDriver
+    from aenv_node.vmm.capture_buffer import CaptureBuffer
+
+    state = Path("/var/lib/aenv")
+    snap = snapshot_files(state, template_snapshot_id(state))
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    driver = QemuDriver()
+    flat = WORK / "flat.raw"
+    await trio.to_thread.run_sync(flat_disk, snap, flat)
+    buf = await trio.to_thread.run_sync(CaptureBuffer, snap["shape"]["mem_mib"] << 20)  # the node keeps one too
+    out: dict[str, list[float]] = {"restore": [], "pause": [], "snapshot": [], "fork2": []}
+
+    async def prepared(name: str) -> tuple[object, object]:
+        wd = WORK / name
+        wd.mkdir()
+        await trio.to_thread.run_sync(subprocess.run, ["cp", "--sparse=always", str(flat), str(wd / "disk.raw")])
+        files = await trio.to_thread.run_sync(floor_files, snap, wd)  # untimed, like the disk copy
+        return wd, files
+
+    try:
+        with BenchNetns(0, "aenvraw") as ns0, BenchNetns(1, "aenvraw") as ns1, BenchNetns(2, "aenvraw") as ns2:
+            for i in range(rounds):
+                wd, files = await prepared(f"r{i}")
+                t = time.perf_counter()
+                async with driver.restore(vm_config(snap, wd, wd / "disk.raw", ns0.path, "raw"), files) as vm:
+                    out["restore"].append(time.perf_counter() - t)
+                    await trio.sleep(1)
+                    t = time.perf_counter()
+                    await vm.capture(wd / "s.vmstate", wd / "s.memory", kind=CaptureKind.DIFF, buffer=buf)
+                    await vm.resume()
+                    out["snapshot"].append(time.perf_counter() - t)
+                    await trio.sleep(0.5)
+                    t = time.perf_counter()
+                    await vm.capture(wd / "p.vmstate", wd / "p.memory", kind=CaptureKind.DIFF, buffer=buf)
+                    await vm.stop()
+                out["pause"].append(time.perf_counter() - t)
+                # fork of two: one capture of a running parent, then two concurrent restores of the template
+                kids = [await prepared(f"r{i}k{k}") for k in range(2)]
+                pwd, pfiles = await prepared(f"r{i}p")
+                async with driver.restore(vm_config(snap, pwd, pwd / "disk.raw", ns0.path, "rawp"), pfiles) as vm:
+                    t = time.perf_counter()
+                    await vm.capture(pwd / "f.vmstate", pwd / "f.memory", kind=CaptureKind.DIFF, buffer=buf)
+                    await vm.resume()
+                    up: list[float] = []
+                    both = trio.Event()
+
+                    async def child(wd: Path, files: object, ns: BenchNetns) -> None:
+                        async with driver.restore(vm_config(snap, wd, wd / "disk.raw", ns.path, "rawc"), files):
+                            up.append(time.perf_counter())
+                            if len(up) == 2:
+                                both.set()
+                            await both.wait()
+
+                    async with trio.open_nursery() as nursery:
+                        for (kwd, kfiles), ns in zip(kids, (ns1, ns2)):
+                            nursery.start_soon(child, kwd, kfiles, ns)
+                    out["fork2"].append(max(up) - t)
+                for d in WORK.glob(f"r{i}*"):
+                    shutil.rmtree(d, ignore_errors=True)
+                print("raw round", i, {k: round(v[-1], 3) for k, v in out.items()}, flush=True)
+    finally:
+        buf.close()
+        shutil.rmtree(WORK, ignore_errors=True)
+    print(json.dumps({k: sorted(v)[len(v) // 2] for k, v in out.items()} | {"rounds": rounds}))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    main()
+    vmm = sys.argv[1] if len(sys.argv) > 1 else "firecracker"
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    if vmm == "qemu":
+        import trio
+
+        trio.run(qemu, n)
+    else:
+        firecracker(n)

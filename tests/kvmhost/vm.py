@@ -112,10 +112,11 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _node_config(api_key: str, vmm: str) -> str:
+def _node_config(api_key: str, vmm: str, log_level: str) -> str:
     return f"""# the node inside the KVM host VM (written by tests/kvmhost/vm.py)
 [node]
 state_dir = "/var/lib/aenv"
+log_level = "{log_level}"
 shutdown_grace_s = 10.0
 [api]
 listen = "{GUEST_IP}:{NODE_PORT}"
@@ -128,7 +129,7 @@ warm_slots = 1
 """
 
 
-def _seed(seed: Path, cache_dir: Path, api_key: str, vmm: str, say: Progress) -> None:
+def _seed(seed: Path, cache_dir: Path, api_key: str, vmm: str, log_level: str, say: Progress) -> None:
     say("guest kit and base rootfs for the sandboxes inside (built here if missing)")
     kit = ensure_kit(cache_dir, progress=say)
     for f in kit.root.iterdir():
@@ -148,7 +149,7 @@ def _seed(seed: Path, cache_dir: Path, api_key: str, vmm: str, say: Progress) ->
             shutil.copytree(src, etc / name)
         elif src.is_file():
             shutil.copy2(src, etc / name)
-    (seed / "config.toml").write_text(_node_config(api_key, vmm))
+    (seed / "config.toml").write_text(_node_config(api_key, vmm, log_level))
 
 
 def _project_tree(dest: Path) -> None:
@@ -157,6 +158,7 @@ def _project_tree(dest: Path) -> None:
         shutil.copytree(kvmimage.REPO / name, dest / name, ignore=ignore)
     shutil.copy(Path(__file__).with_name("guest_init.sh"), dest / "kvmhost-init.sh")
     shutil.copy(Path(__file__).with_name("raw_ops.py"), dest / "raw_ops.py")  # bench/kvmhost.py runs it inside
+    shutil.copy(kvmimage.REPO / "bench" / "_floor.py", dest / "_floor.py")  # raw_ops.py qemu uses it
 
 
 def _mkfs(image: Path, tree: Path, size_mib: int, label: str) -> None:
@@ -167,7 +169,7 @@ def _mkfs(image: Path, tree: Path, size_mib: int, label: str) -> None:
 
 def up(run_dir: Path = DEFAULT_RUN_DIR, *, cache_dir: Path = DEFAULT_CACHE, mem_mib: int = 6144, vcpus: int = 2,
        vmm: str = "auto", port: int | None = None, shell: bool = False, timeout_s: float = 900,
-       progress: Progress | None = None) -> KvmHost:
+       log_level: str = "info", progress: Progress | None = None) -> KvmHost:
     """Bring the KVM host up (or return the one already running in ``run_dir``) and wait for its node."""
     say = progress or (lambda _m: None)
     current = KvmHost.load(run_dir)
@@ -183,7 +185,7 @@ def up(run_dir: Path = DEFAULT_RUN_DIR, *, cache_dir: Path = DEFAULT_CACHE, mem_
     t0 = time.monotonic()
     seed = run_dir / "seed"
     shutil.rmtree(seed, ignore_errors=True)
-    _seed(seed, cache_dir, api_key, vmm, say)
+    _seed(seed, cache_dir, api_key, vmm, log_level, say)
     _mkfs(run_dir / "data.ext4", seed, 32768, "aenv-data")
     shutil.rmtree(seed)
     src = run_dir / "src"
