@@ -28,7 +28,8 @@ def main(ctx: click.Context, run_dir: Path) -> None:
 @click.option("--vmm", type=click.Choice(["auto", "firecracker", "qemu"]), default="auto", show_default=True,
               help="vmm.kind of the node inside (auto picks Firecracker: the VM has KVM)")
 @click.option("--mem-mib", type=int, default=6144, show_default=True)
-@click.option("--vcpus", type=int, default=2, show_default=True)
+@click.option("--vcpus", type=int, default=1, show_default=True,
+              help="more than 1 risks a kernel oops in the VM (vm.up says why)")
 @click.option("--port", type=int, default=None, help="host port for the node's API (default: a free one)")
 @click.option("--shell", is_flag=True, help="a root shell inside for debugging (`kvmhost sh`), on 127.0.0.1 only")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True,

@@ -49,7 +49,8 @@ def bring_up(vmm_kind: str) -> Iterator[vm.KvmHost]:
         pytest.skip("qemu-system-x86_64 and debootstrap are needed for the KVM host VM (scripts/setup.sh)")
     run_dir = Path(tempfile.mkdtemp(prefix=f"aenv-kvmhost-{vmm_kind}-", dir="/var/tmp"))
     try:
-        host = vm.up(run_dir, vmm=vmm_kind, progress=lambda m: print(f"kvmhost: {m}", flush=True))
+        # shell: tests inspect the node's SQLite and act on the host inside (127.0.0.1 only, like the API)
+        host = vm.up(run_dir, vmm=vmm_kind, shell=True, progress=lambda m: print(f"kvmhost: {m}", flush=True))
         _wait_base(host)
         yield host
     finally:

@@ -18,7 +18,10 @@ in a nursery; on exit it stops the device (STOP_DEV while the queue still serves
 stops and joins the queue thread (closing its ring cancels the outstanding fetches), closes the char
 device and deletes the device (DEL_DEV). ``queues`` hardware queues (the kernel spreads I/O over them by the
 submitting CPU), each with ``queue_depth`` tags, its own ring, descriptor array and buffers, served by its own
-thread; a queue that fails ends the whole device (its ``async with`` raises), never another device.
+thread; a queue that fails ends the whole device (its ``async with`` raises), never another device. So does a
+device the kernel ends while we serve it (every fetch completes with ABORT: a STOP_DEV from outside, the driver
+going away): the body is cancelled and ``UblkError`` says which device ended, so the sandbox on that disk is
+stopped and recorded in error with that reason, and no other sandbox notices.
 
 Tested only inside a QEMU TCG guest whose kernel has ublk_drv (Debian's 6.12 cloud kernel; the 6.1 cloud
 kernel has CONFIG_BLK_DEV_UBLK unset), see tests/storage/frontends/test_ublk_guest.py.
@@ -145,6 +148,7 @@ class UblkServer:
         self._bufs: list[mmap.mmap] = []
         self._fetched = [threading.Event() for _ in range(queues)]
         self._stopping = False
+        self._ending = False  # we asked for STOP_DEV: aborted fetches from now on are expected
         self._started = False
         self._ios = [0] * queues  # one counter per queue thread (no shared += across threads)
 
@@ -192,8 +196,14 @@ class UblkServer:
         self._control(U_CMD_ADD_DEV, buf=info, dev_id=-1)
         fields = _DEV_INFO.unpack(info)
         self.dev_id = fields[5]
-        if fields[0] != self.queues:
+        if not 1 <= fields[0] <= self.queues:
             raise UblkError(f"ublk gave {fields[0]} queues, {self.queues} were asked for")
+        if fields[0] < self.queues:  # the kernel caps hardware queues at the number of CPUs
+            log.info("ublk device %d: %d queues (of %d asked for: this host has fewer CPUs)",
+                     self.dev_id, fields[0], self.queues)
+            self.queues = fields[0]
+            self._fetched = self._fetched[: self.queues]
+            self._ios = self._ios[: self.queues]
         self.max_io_bytes = fields[4] or self.max_io_bytes
         size = self.device.size
         sectors = self.max_io_bytes >> 9
@@ -225,9 +235,12 @@ class UblkServer:
 
     def stop(self) -> None:
         """STOP_DEV (the queue keeps serving while the disk is removed), then tell the queue thread to end."""
+        self._ending = True
         try:
             if self._started and self._ctrl is not None:
                 self._control(U_CMD_STOP_DEV)
+        except UblkError as exc:  # already stopped (the kernel ended it): nothing left to drain
+            log.warning("ublk device %d: STOP_DEV failed: %s", self.dev_id, exc)
         finally:
             self._stopping = True
 
@@ -243,6 +256,9 @@ class UblkServer:
         try:
             if self.dev_id >= 0 and self._ctrl is not None:
                 self._control(U_CMD_DEL_DEV)
+        except UblkError as exc:
+            if exc.errno != -errno.ENODEV:  # ENODEV: deleted already, by whoever ended it
+                raise
         finally:
             if self._ctrl is not None:
                 self._ctrl.close()
@@ -285,6 +301,9 @@ class UblkServer:
                         active -= 1
         finally:
             ring.close()  # cancels any outstanding fetch
+        if not active and not self._ending:
+            raise UblkError(f"ublk device {self.dev_id} ended under its server (queue {q}: the kernel aborted "
+                            "every request; was it stopped from outside?): its disk is gone", IO_RES_ABORT)
 
     def _do_io(self, descs: mmap.mmap, tag: int, bufs: mmap.mmap, maxio: int) -> int:
         op_flags, nr_sectors, start_sector, _addr_ = _IO_DESC.unpack_from(descs, tag * _IO_DESC.size)

@@ -118,6 +118,7 @@ async def _boot(kit, root_drive: str, console: Path) -> str:  # type: ignore[no-
             break
         print("guest kernel panicked before init; booting again")
     assert "UBLK-CHECK-OK" in log, f"qemu rc={proc.returncode} stderr={proc.stderr.decode()[-2000:]}\n{log[-6000:]}"
+    assert "UBLK-ISOLATION-OK" in log, log[-6000:]
     assert "UBLK-CHECK-EXIT 0" in log, log[-6000:]
     return log
 
@@ -129,6 +130,7 @@ async def test_ublk_in_a_tcg_guest(ublk_kit, tmp_path) -> None:  # type: ignore[
     await trio.to_thread.run_sync(_rootfs, rootfs, tmp_path)
     log = await _boot(ublk_kit, str(rootfs), tmp_path / "console.log")
     print(next(line for line in log.splitlines() if "UBLK-CHECK-OK" in line))
+    print(next(line for line in log.splitlines() if "UBLK-ISOLATION-OK" in line))
 
 
 @pytest.mark.vm

@@ -2,7 +2,11 @@
 
 Serves a FlatFileDevice through serve_ublk and drives /dev/ublkbN with ordinary block-device I/O: buffered
 writes + fsync, O_DIRECT reads, BLKDISCARD, BLKZEROOUT, comparing every result with the backing device.
-Prints ``UBLK-CHECK-OK`` on success; any failure raises (the host test sees the traceback on the console).
+Then the isolation check: two devices served at once, one of them stopped from outside (STOP_DEV through a
+control ring of its own, as an operator's ``ublk del`` or a crashed server's cleanup would): its ``serve_ublk``
+must end with ``UblkError`` within seconds, and the other must go on serving verified I/O.
+Prints ``UBLK-CHECK-OK`` and ``UBLK-ISOLATION-OK`` on success; any failure raises (the host test sees the
+traceback on the console).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ sys.path.insert(0, "/src")
 import trio  # noqa: E402
 
 from aenv_node.storage.blockdev import FlatFileDevice  # noqa: E402
-from aenv_node.storage.frontends.ublk import serve_ublk  # noqa: E402
+from aenv_node.storage.frontends.errors import UblkError  # noqa: E402
+from aenv_node.storage.frontends.io_uring import OP_URING_CMD, Ring  # noqa: E402
+from aenv_node.storage.frontends.ublk import _CTRL_CMD, CONTROL_PATH, U_CMD_STOP_DEV, serve_ublk  # noqa: E402
 
 BLKGETSIZE64 = 0x80081272
 BLKDISCARD = 0x1277
@@ -91,6 +97,74 @@ async def main() -> None:
     print(f"UBLK-CHECK-OK ios={srv.ios} per_queue={per_queue} {result}", flush=True)
 
 
+def stop_from_outside(dev_id: int) -> int:
+    """STOP_DEV for ``dev_id`` through a control ring of our own (not the server's)."""
+    fd = os.open(CONTROL_PATH, os.O_RDWR)
+    ring = Ring(4, sqe128=True)
+    try:
+        ring.prep(OP_URING_CMD, fd, off=U_CMD_STOP_DEV, user_data=1,
+                  cmd=_CTRL_CMD.pack(dev_id, 0xFFFF, 0, 0, 0, 0))
+        ring.submit(wait=1)
+        (_ud, res, _flags), = ring.completions()
+        return res
+    finally:
+        ring.close()
+        os.close(fd)
+
+
+def roundtrip(path: str, dev: FlatFileDevice, seed: int) -> None:
+    """Write 1 MiB through the disk, fsync, read it back with O_DIRECT; the backing device must hold it."""
+    data = random.Random(seed).randbytes(MiB)
+    off = 4 * MiB
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, MiB)
+        assert os.preadv(fd, [buf], off) == MiB and buf[:] == data, f"{path}: read back differs"
+    finally:
+        os.close(fd)
+    assert dev.pread(off, MiB) == data, f"{path}: the backing device differs"
+
+
+async def isolation() -> None:
+    a_dev = FlatFileDevice("/tmp/u/a.img", 16 * MiB)
+    b_dev = FlatFileDevice("/tmp/u/b.img", 16 * MiB)
+    ended: BaseException | None = None
+    async with serve_ublk(b_dev, queues=2, queue_depth=16) as b:
+        a_path = ""
+        t = time.monotonic()
+        try:
+            async with serve_ublk(a_dev, queues=2, queue_depth=16) as a:
+                a_path = a.block_path
+                await trio.to_thread.run_sync(roundtrip, a.block_path, a_dev, 1)
+                await trio.to_thread.run_sync(roundtrip, b.block_path, b_dev, 2)
+                res = await trio.to_thread.run_sync(stop_from_outside, a.dev_id)
+                assert res == 0, f"STOP_DEV from outside failed: {res}"
+                t = time.monotonic()
+                with trio.fail_after(30):  # the dead disk must end its server's body, not leave it waiting
+                    await trio.sleep_forever()
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            ended = exc
+        errors = list(ended.exceptions) if isinstance(ended, BaseExceptionGroup) else [ended]
+        assert errors and all(isinstance(e, UblkError) for e in errors), f"ended with {ended!r}"
+        assert "ended under its server" in str(errors[0]), errors[0]
+        took = time.monotonic() - t
+        # the other device is untouched
+        await trio.to_thread.run_sync(roundtrip, b.block_path, b_dev, 3)
+        assert os.path.exists(b.block_path)
+    for _ in range(500):
+        if not os.path.exists(a_path):
+            break
+        time.sleep(0.01)
+    assert not os.path.exists(a_path), f"{a_path} still exists"
+    print(f"UBLK-ISOLATION-OK ended in {took:.2f}s: {errors[0]}", flush=True)
+
+
 def diagnostics() -> None:
     print("diag /dev:", sorted(n for n in os.listdir("/dev") if "ublk" in n), flush=True)
     print("diag /sys/block:", sorted(os.listdir("/sys/block")), flush=True)
@@ -100,6 +174,7 @@ def diagnostics() -> None:
 if __name__ == "__main__":
     try:
         trio.run(main)
+        trio.run(isolation)
     except BaseException:
         diagnostics()
         raise
