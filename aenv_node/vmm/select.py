@@ -58,6 +58,10 @@ def make_driver(
     if kind == "qemu":
         if not qemu_binary.is_file():
             raise VmmNotInstalled(f"QEMU not found at {qemu_binary} (apt: qemu-system-x86)")
+        if qemu_cpu_model is None and accel is Accel.KVM and info.kvm_flavour in ("intel", "amd"):
+            # a real KVM host: the guest sees the host's CPU as it is (the driver's default drops
+            # arch-capabilities, which PVM's KVM cannot set)
+            qemu_cpu_model = "host"
         qemu = QemuDriver(binary=qemu_binary, cpu_model=qemu_cpu_model, tcg_tb_size_mib=tcg_tb_size_mib,
                            mem_merge=qemu_mem_merge, restore_tb_size_mib=tcg_restore_tb_size_mib,
                            cow_discard=qemu_cow_discard)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from e2b import Sandbox
 
 from . import flows, vm
 from .conftest import bring_up
@@ -23,10 +24,16 @@ def host(qemu_host: vm.KvmHost, use_host) -> vm.KvmHost:  # type: ignore[no-unty
     return use_host(qemu_host)
 
 
-def test_qemu_runs_with_kvm_and_nbd_disks(host: vm.KvmHost) -> None:
+def test_qemu_runs_with_kvm_host_cpu_and_nbd_disks(host: vm.KvmHost) -> None:
     log = host.node_log()
     assert "VMM qemu with kvm" in log, log[-3000:]
     assert "sandbox disks through nbd" in log, log[-3000:]
+    sb = Sandbox.create()
+    try:  # on a KVM host with a vendor KVM module the guest gets the host's CPU model as it is
+        args = host.sh("ps -eo args | grep [q]emu-system")
+        assert " -cpu host " in args and "arch-capabilities" not in args, args
+    finally:
+        sb.kill()
 
 
 def test_quickstart(host: vm.KvmHost) -> None:

@@ -31,8 +31,9 @@ Rules this driver enforces:
 * a booted VM whose memory file was handed over as the snapshot's image (`capture(memory=<its own file>)`)
   can no longer run: it would write into the snapshot. Otherwise that file is deleted when the VM exits.
 
-Accelerator: `accel=kvm` with `-cpu host,-arch-capabilities` (plain `host`/`max` abort on PVM hosts:
-"failed to set MSR 0x10a") or `accel=tcg` with `-cpu max` and a small translation cache.
+Accelerator: `accel=kvm` with `-cpu host,-arch-capabilities` by default (plain `host`/`max` abort on PVM hosts:
+"failed to set MSR 0x10a"; `select.make_driver` asks for plain `host` where KVM is Intel's or AMD's) or
+`accel=tcg` with `-cpu max` and a small translation cache.
 """
 
 from __future__ import annotations
