@@ -74,6 +74,7 @@ class FakeHandle:
     op_lock: trio.Lock = field(default_factory=trio.Lock)
     done: trio.Event = field(default_factory=trio.Event)
     paused_snapshot_id: Optional[str] = None
+    pausing: bool = False
     stops: list[str] = field(default_factory=list)
 
     def request_stop(self, reason: str = "kill") -> None:
