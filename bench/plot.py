@@ -1,0 +1,87 @@
+"""Plots for docs/benchmarks.md from the JSON the bench scripts wrote (bench/results/), with matplotlib.
+
+  lifecycle.png  bench/lifecycle.py: each node operation beside its raw floor from the same run (log scale)
+  kvmhost.png    bench/kvmhost.py: node / raw VMM per operation, Firecracker and QEMU with KVM, nested
+
+A plot is skipped (and said so) when its JSON is missing. Needs the ``bench`` extra:
+``.venv/bin/pip install -e '.[bench]'``.
+
+Run: .venv/bin/python bench/plot.py   (writes docs/img/*.png)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+OUT = ROOT / "docs" / "img"
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        print(f"skipped {name}.png: no {path}")
+        return None
+    return dict(json.loads(path.read_text()))
+
+
+def _bars(ax: Any, labels: list[str], node: list[float], floor: list[float], floor_name: str) -> None:
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], node, width=0.4, label="node (E2B SDK)")
+    ax.bar([x + 0.2 for x in xs], floor, width=0.4, label=floor_name)
+    for x, n, f in zip(xs, node, floor):
+        ax.annotate(f"{n / f:.1f}x", (x - 0.2, n), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+
+
+def lifecycle() -> None:
+    data = _load("lifecycle")
+    if data is None:
+        return
+    keep = ["idle_pause_vs_diff_capture_plus_image", "heavy_pause_vs_diff_capture_plus_image",
+            "idle_resume_vs_restore", "heavy_resume_vs_restore", "idle_snapshot_guest_paused_vs_diff_capture_plus_cont",
+            "heavy_snapshot_guest_paused_vs_diff_capture_plus_cont", "fork4_total_vs_concurrent_restores"]
+    rows = [(k, data["ratios"][k]) for k in keep if k in data.get("ratios", {})]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    _bars(ax, [k.replace("_vs_", "\nvs ").replace("_", " ") for k, _ in rows],
+          [r["node_p50_ms"] for _, r in rows], [r["floor_p50_ms"] for _, r in rows], "raw QEMU floor")
+    ax.set_ylabel("ms (p50, log)")
+    ax.set_title(f"Lifecycle under QEMU TCG, node vs floor ({data.get('started_at', '')[:16]})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "lifecycle.png", dpi=110)
+    print(f"wrote {OUT / 'lifecycle.png'}")
+
+
+def kvmhost() -> None:
+    data = _load("kvmhost")
+    if data is None:
+        return
+    vmms = [v for v in ("firecracker", "qemu") if v in data]
+    fig, axes = plt.subplots(1, len(vmms), figsize=(5 * len(vmms), 4), squeeze=False)
+    for ax, vmm in zip(axes[0], vmms):
+        res, pairs = data[vmm], data["pairs"]
+        ops = list(pairs)
+        _bars(ax, [f"{op}\nvs raw {pairs[op]}" for op in ops], [res["node_s"][op] * 1000 for op in ops],
+              [res["raw_s"][pairs[op]] * 1000 for op in ops], f"raw {vmm}")
+        ax.set_ylabel("ms (median, log)")
+        ax.set_title(f"{vmm} with KVM in the KVM host VM", fontsize=10)
+    fig.suptitle(f"Nested (KVM inside QEMU TCG), {data.get('when', '')[:16]}: compare ratios", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "kvmhost.png", dpi=110)
+    print(f"wrote {OUT / 'kvmhost.png'}")
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    lifecycle()
+    kvmhost()
