@@ -21,12 +21,11 @@ from typing import Callable, Optional
 from ..config import Config, ConfigError
 from ..net import NetworkConfig, SlotPool
 from ..snapshot.gc import GarbageCollector, LiveStack
-from ..snapshot.machine import DiskFrontend
 from ..snapshot.publish import owner_id
 from ..snapshot.store import SnapshotStore
 from ..state import Database
 from ..storage.cache import LayerCache
-from ..storage.frontends import FrontendKind, choose_frontend
+from ..storage.frontends import DiskFrontend, FrontendKind, choose_frontend
 from ..storage.repository import Repository, open_repository
 from ..vmm import Accel, VmmDriver, make_driver
 from ..vmm.capture_buffer import CaptureBufferPool

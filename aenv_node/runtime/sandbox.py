@@ -27,11 +27,12 @@ from sqlalchemy.orm import Session
 
 from ..net import EgressPolicy, Slot, SlotPool
 from ..snapshot.envd import init_envd
-from ..snapshot.machine import DiskFrontend, open_machine
+from ..snapshot.machine import open_machine
 from ..snapshot.source import SnapshotSource
 from ..state import Database, Sandbox, SandboxState
 from ..state import repository as repo
 from ..storage import Image, LayerSourceProvider, open_image
+from ..storage.frontends import DiskFrontend
 from ..vmm import Vm, VmmDriver
 
 __all__ = ["SandboxSpec", "SandboxHandle", "run_sandbox"]

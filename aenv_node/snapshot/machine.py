@@ -3,7 +3,7 @@
 Template builds (boot) and sandboxes (restore) run the same machine; only the
 way the VMM starts differs. ``open_machine`` owns, for the duration of its
 ``async with``, the frontend exporting the rootfs image (NBD, ublk or FUSE, as
-``DiskFrontend`` says: storage/frontends/export.py) and the VMM process;
+the node's ``DiskFrontend`` says: storage/frontends/export.py) and the VMM process;
 the caller owns the image (it seals or discards it) and the slot (it returns it
 to the pool). Leaving the block, by any path, stops the VMM first and the disk
 server second, so the guest never sees its disk vanish under it.
@@ -23,18 +23,10 @@ from typing import AsyncIterator
 from ..net import Slot
 from ..state import MachineShape
 from ..storage import BlockDevice
-from ..storage.frontends import DiskExport, FrontendKind, export_disk
+from ..storage.frontends import DiskExport, DiskFrontend, export_disk
 from ..vmm import Accel, BalloonConfig, Drive, MemoryMode, NetIf, SnapshotFiles, Vm, VmConfig, VmmDriver
 
-__all__ = ["DiskFrontend", "Machine", "open_machine"]
-
-
-@dataclass(frozen=True)
-class DiskFrontend:
-    """How every machine of this node gets its disk (chosen once per node, from config and the VMM)."""
-
-    kind: FrontendKind = FrontendKind.NBD
-    ublk_queues: int = 1
+__all__ = ["Machine", "open_machine"]
 
 
 @dataclass
@@ -57,13 +49,13 @@ async def open_machine(
     snapshot: SnapshotFiles | None = None,
     mem_file: Path | None = None,
     name: str = "aenv-vm",
-    frontend: DiskFrontend = DiskFrontend(),
+    frontend: DiskFrontend,
 ) -> AsyncIterator[Machine]:
     """Start the machine: boot it (``snapshot`` None; RAM in ``mem_file`` mapped shared, so a later capture
     only saves device state) or restore it from ``snapshot`` (its memory image mapped copy-on-write)."""
     workdir.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    async with export_disk(frontend.kind, disk, run_dir, ublk_queues=frontend.ublk_queues) as exported:
+    async with export_disk(frontend, disk, run_dir) as exported:
         config = VmConfig(
             workdir=workdir,
             kernel=Path(shape.kernel),

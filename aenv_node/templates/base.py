@@ -16,7 +16,7 @@ from ..images import Kit, ensure_base_rootfs, ensure_kit, kernel_cmdline
 from ..images.kit import host_tsc_khz
 from ..net import SlotPool
 from ..state import BuildStatus, Database, Snapshot, Template
-from ..snapshot.machine import DiskFrontend
+from ..storage.frontends import DiskFrontend
 from ..vmm import Accel, KernelFormat, VmmDriver
 from .build import BuildResult, TemplateSource, build_template
 

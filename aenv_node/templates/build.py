@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from ..net import SlotPool
 from ..snapshot.envd import wait_envd
 from ..snapshot.layers import layer_digest, record_stack, reference_layer
-from ..snapshot.machine import DiskFrontend, open_machine
+from ..snapshot.machine import open_machine
 from ..state import (
     BuildStatus,
     Database,
@@ -47,6 +47,7 @@ from ..state import (
 )
 from ..state.repository import record_event
 from ..storage import Image, LayerRef, import_raw
+from ..storage.frontends import DiskFrontend
 from ..vmm import CaptureKind, VmmDriver
 
 __all__ = ["TemplateSource", "BuildResult", "build_template"]

@@ -7,7 +7,7 @@
 """
 
 from .errors import FrontendError, FuseMountError, NbdProtocolError, SocketPathInUse, UblkError, UblkUnavailable
-from .export import DiskExport, FrontendKind, choose_frontend, export_disk
+from .export import DiskExport, DiskFrontend, FrontendKind, choose_frontend, export_disk
 from .fuse import FuseExport, mount_fuse
 from .nbd import NbdServer, serve_nbd
 from .ublk import UblkServer, serve_ublk
@@ -15,6 +15,7 @@ from .ublk import UblkServer, serve_ublk
 __all__ = [
     "choose_frontend",
     "export_disk",
+    "DiskFrontend",
     "DiskExport",
     "FrontendKind",
     "serve_nbd",

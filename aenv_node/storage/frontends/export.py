@@ -22,7 +22,7 @@ from .fuse import FuseExport, mount_fuse
 from .nbd import NbdServer, serve_nbd
 from .ublk import CONTROL_PATH, UblkServer, serve_ublk
 
-__all__ = ["DiskExport", "FrontendKind", "choose_frontend", "export_disk"]
+__all__ = ["DiskExport", "DiskFrontend", "FrontendKind", "choose_frontend", "export_disk"]
 
 
 class FrontendKind(StrEnum):
@@ -54,6 +54,14 @@ def choose_frontend(setting: str, *, vmm_takes_nbd: bool, ublk_control: str = CO
 
 
 @dataclass(frozen=True)
+class DiskFrontend:
+    """How every disk of this node is exported (chosen once per node, from config and the VMM)."""
+
+    kind: FrontendKind = FrontendKind.NBD
+    ublk_queues: int = 1  # asked for; the kernel may give fewer (one per CPU at most)
+
+
+@dataclass(frozen=True)
 class DiskExport:
     """A served disk: ``source`` is what the VMM is given (an NBD URI, a block device or a file path)."""
 
@@ -63,15 +71,16 @@ class DiskExport:
 
 
 @asynccontextmanager
-async def export_disk(kind: FrontendKind, device: BlockDevice, run_dir: Path, *, name: str = "disk",
-                      ublk_queues: int = 1) -> AsyncIterator[DiskExport]:
-    """Serve ``device`` through ``kind``; its socket or mount point lives in ``run_dir``. On exit the
+async def export_disk(frontend: DiskFrontend, device: BlockDevice, run_dir: Path, *,
+                      name: str = "disk") -> AsyncIterator[DiskExport]:
+    """Serve ``device`` as ``frontend`` says; its socket or mount point lives in ``run_dir``. On exit the
     frontend is torn down (socket closed, ublk device deleted, FUSE mount detached)."""
+    kind = frontend.kind
     if kind is FrontendKind.NBD:
         async with serve_nbd(device, run_dir / f"{name}.sock") as nbd:
             yield DiskExport(kind, nbd.uri, nbd)
     elif kind is FrontendKind.UBLK:
-        async with serve_ublk(device, queues=ublk_queues) as ublk:
+        async with serve_ublk(device, queues=frontend.ublk_queues) as ublk:
             yield DiskExport(kind, str(ublk.block_path), ublk)
     else:
         mnt = run_dir / f"{name}.fuse"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aenv_node.storage import FlatFileDevice
-from aenv_node.storage.frontends import FrontendError, FrontendKind, choose_frontend, export_disk
+from aenv_node.storage.frontends import DiskFrontend, FrontendError, FrontendKind, choose_frontend, export_disk
 from conftest import qemu_io
 
 MiB = 1 << 20
@@ -48,7 +48,7 @@ async def test_export_disk_serves_the_device_and_cleans_up(kind, tmp_path, short
     run_dir = tmp_path / "run" if kind is FrontendKind.FUSE else Path(short_dir)
     run_dir.mkdir(exist_ok=True)
     try:
-        async with export_disk(kind, dev, run_dir) as disk:
+        async with export_disk(DiskFrontend(kind), dev, run_dir) as disk:
             assert disk.kind is kind
             if kind is FrontendKind.NBD:
                 assert disk.source.startswith("nbd+unix://")
