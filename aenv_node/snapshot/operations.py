@@ -169,7 +169,15 @@ class SnapshotOperations:
                                              owner=self.owner, pointer_lock=self.resume_lock(sandbox_id))
             log.info("published snapshot %s of %s: %s", snapshot_id, sandbox_id, summary)
         except Exception as exc:
-            log.warning("publishing snapshot %s failed: %s", snapshot_id, exc)
+            def killed(s: Session) -> bool:
+                sb = s.get(Sandbox, sandbox_id)
+                return sb is None or sb.state in (S.KILLING, S.KILLED)
+
+            if await self.db.run(killed):  # the kill's collection removed the files under the upload: moot
+                log.info("publishing snapshot %s stopped: sandbox %s was killed meanwhile (%s)",
+                         snapshot_id, sandbox_id, exc)
+            else:
+                log.warning("publishing snapshot %s failed: %s", snapshot_id, exc)
 
     async def _compact_quietly(self, snapshot_id: str) -> None:
         try:
