@@ -6,8 +6,8 @@ with KVM, emulated twice over), so absolute times are meaningless; the ratios no
 
   node   through the unmodified E2B SDK from this machine (the API forwarded into the VM): create
          (``Sandbox.create``), pause (``sandbox.pause()``), resume (``Sandbox.connect``), snapshot
-         (``create_snapshot``), fork of two (``fork(count=2)``); R rounds, medians. Also the node's own restore
-         step (``restore_ms`` in its events: disk, slot, VMM restore, before envd ``/init``), from its SQLite.
+         (``create_snapshot``), fork of two (``fork(count=2)``); R rounds, medians. Also the node's own steps
+         from its events (restore step; per capture: guest paused, memory layer, flat memory image).
   raw    inside the VM, after the node's rounds (tests/kvmhost/raw_ops.py). Firecracker: raw API calls over its
          socket, none of our code: restore = new process + ``/snapshot/load`` + resume; pause = Paused + Diff
          ``/snapshot/create``; snapshot = pause + Diff + Resumed; fork of two = one Diff of the parent + two
@@ -72,16 +72,28 @@ def node_ops(host: vm.KvmHost, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def restore_steps(host: vm.KvmHost) -> dict[str, float]:
-    """Median ``restore_ms`` the node recorded for its creates, resumes and forks (from the VM's SQLite)."""
-    out = host.sh("sqlite3 -json /var/lib/aenv/aenv.db \"SELECT operation, json_extract(detail, '$.restore_ms') AS ms "
-                  "FROM events WHERE to_state = 'running' AND json_extract(detail, '$.restore_ms') IS NOT NULL\"")
+def _sql(host: vm.KvmHost, query: str) -> list[dict[str, Any]]:
+    out = host.sh(f'sqlite3 -json /var/lib/aenv/aenv.db "{query}"')
     start = out.find("[")
-    rows = json.loads(out[start:out.rindex("]") + 1]) if start >= 0 else []
-    by_op: dict[str, list[float]] = {}
-    for r in rows:
-        by_op.setdefault(r["operation"], []).append(float(r["ms"]) / 1000)
-    return {f"restore_step_{op}": statistics.median(v) for op, v in by_op.items()}
+    return list(json.loads(out[start:out.rindex("]") + 1])) if start >= 0 else []
+
+
+def node_steps(host: vm.KvmHost) -> dict[str, float]:
+    """Where the node's time went, from its own events (the VM's SQLite), medians in seconds: the restore step
+    of creates, resumes and forks (``restore_ms``: disk, slot, VMM restore, before envd ``/init``), and the
+    steps of each capture kind's commit (guest paused, capture, memory layer, flat memory image)."""
+    by: dict[str, list[float]] = {}
+    for r in _sql(host, "SELECT operation, json_extract(detail, '$.restore_ms') AS ms FROM events "
+                        "WHERE to_state = 'running' AND json_extract(detail, '$.restore_ms') IS NOT NULL"):
+        by.setdefault(f"restore_step_{r['operation']}", []).append(float(r["ms"]) / 1000)
+    steps = ("paused_ms", "capture_ms", "memory_layer_ms", "flat_image_ms")
+    cols = ", ".join(f"json_extract(detail, '$.{k}') AS {k}" for k in steps)
+    for r in _sql(host, f"SELECT json_extract(detail, '$.kind') AS kind, {cols} FROM events "
+                        "WHERE operation = 'snapshot_commit' AND to_state = 'committed'"):
+        for k in steps:
+            if r.get(k) is not None:
+                by.setdefault(f"{r['kind']}_{k[:-3]}", []).append(float(r[k]) / 1000)
+    return {k: statistics.median(v) for k, v in sorted(by.items())}
 
 
 def raw_ops(host: vm.KvmHost, vmm: str, rounds: int) -> dict[str, float]:
@@ -103,7 +115,7 @@ def measure(vmm: str, rounds: int) -> dict[str, Any]:
         host = vm.up(run_dir, vmm=vmm, shell=True, progress=lambda m: print("kvmhost:", m, flush=True))
         _wait_base(host)
         node = node_ops(host, rounds)
-        node.update(restore_steps(host))
+        node.update(node_steps(host))
         raw = raw_ops(host, vmm, rounds)
     finally:
         vm.down(run_dir)

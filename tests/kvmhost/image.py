@@ -43,7 +43,7 @@ class KvmHostSpec:
     include: tuple[str, ...] = (
         "bash", "coreutils", "procps", "iproute2", "kmod", "ca-certificates", "util-linux", "e2fsprogs",
         "nftables", "iptables", "python3", "python3-venv", "sqlite3", "busybox", "qemu-system-x86", "qemu-utils",
-        "psmisc", "strace",
+        "psmisc", "strace", "conntrack",
     )
     kernel_meta: str = r"^linux-image-6\.12.*-cloud-amd64-unsigned$"
     size_mib: int = 6144
