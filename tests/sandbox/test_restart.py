@@ -283,14 +283,17 @@ def test_only_one_node_runs_a_sandbox_shared_through_the_repository(monkeypatch:
         assert _pointer(repo, racer.sandbox_id) is None
         deadline = time.monotonic() + 180
         snap = a.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{racer.sandbox_id}'")[0][0]
+        # a publish whose files went with the kill says so, as information (not as a failure)
+        cut = f"publishing snapshot {snap} stopped: sandbox {racer.sandbox_id} was killed meanwhile"
         while time.monotonic() < deadline and not a.sql(
                 f"SELECT 1 FROM events WHERE sandbox_id = '{racer.sandbox_id}' AND operation = 'snapshot_publish'") \
-                and f"publishing snapshot {snap} failed" not in a.log():
+                and cut not in a.log():
             time.sleep(0.5)
         detail = a.sql(f"SELECT detail FROM events WHERE sandbox_id = '{racer.sandbox_id}' "
                        "AND operation = 'snapshot_publish'")
-        print("publish racing the kill:", detail or "failed (its files went with the kill)")
-        assert detail or f"publishing snapshot {snap} failed" in a.log()  # the publish did end
+        print("publish racing the kill:", detail or "stopped (its files went with the kill)")
+        assert detail or cut in a.log()  # the publish did end
+        assert f"publishing snapshot {snap} failed" not in a.log()
         assert _pointer(repo, racer.sandbox_id) is None
         if detail:
             assert json.loads(detail[0][0])["pointer"] in ("killed", "written")
