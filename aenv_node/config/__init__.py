@@ -120,6 +120,11 @@ class ImagesSection:
 
 
 @dataclass(frozen=True)
+class TemplatesSection:
+    boot_timeout_s: float = 180.0
+
+
+@dataclass(frozen=True)
 class SnapshotSection:
     periodic_interval_s: float = 0
     compact_after_layers: int = 8
@@ -150,6 +155,7 @@ class Config:
     storage: StorageSection = field(default_factory=StorageSection)
     snapshot: SnapshotSection = field(default_factory=SnapshotSection)
     images: ImagesSection = field(default_factory=ImagesSection)
+    templates: TemplatesSection = field(default_factory=TemplatesSection)
 
     # Derived paths: one place decides the state directory's layout.
     @property

@@ -60,7 +60,7 @@ class TemplateService:
             images_cache_dir=cfg.images_cache_dir, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
             work_root=cfg.state_dir / "builds", run_root=cfg.run_dir, vcpus=cfg.sandbox.default_cpu_count,
             mem_mib=cfg.sandbox.default_memory_mb, disk_size_mb=cfg.sandbox.default_disk_size_mb,
-            envd_version=envd_version())
+            envd_version=envd_version(), boot_timeout_s=cfg.templates.boot_timeout_s)
 
     async def ensure_base(self, template_id: str = "base") -> str:
         """Build the template from the base rootfs and current kit, unless one is ready for this kit."""

@@ -42,6 +42,7 @@ class BaseTemplateInputs:
     mem_mib: int
     disk_size_mb: int
     envd_version: str
+    boot_timeout_s: float
 
 
 def kernel_of(kit: Kit, driver: VmmDriver) -> Path:
@@ -82,7 +83,8 @@ async def ensure_base_template(db: Database, pool: SlotPool, template_id: str,
         db=db, driver=inputs.driver, accel=inputs.accel.value, pool=pool, frontend=inputs.frontend, source=source,
         layers_dir=inputs.layers_dir, snapshots_dir=inputs.snapshots_dir, work_root=inputs.work_root,
         run_root=inputs.run_root, template_id=template_id, alias=template_id, vcpus=inputs.vcpus,
-        mem_mib=inputs.mem_mib, disk_size_mb=inputs.disk_size_mb, envd_version=inputs.envd_version)
+        mem_mib=inputs.mem_mib, disk_size_mb=inputs.disk_size_mb, envd_version=inputs.envd_version,
+        boot_timeout_s=inputs.boot_timeout_s)
     log.info("template %r ready in %.1fs (boot %.1fs, capture %.0f ms)", template_id, result.duration_s,
              result.boot_s, result.capture_s * 1000)
     return result

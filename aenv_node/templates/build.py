@@ -27,7 +27,7 @@ import trio
 from sqlalchemy.orm import Session
 
 from ..net import SlotPool
-from ..snapshot.envd import wait_envd
+from ..snapshot.envd import EnvdUnavailable, wait_envd
 from ..snapshot.layers import layer_digest, record_stack, reference_layer
 from ..snapshot.machine import open_machine
 from ..state import (
@@ -48,11 +48,24 @@ from ..state import (
 from ..state.repository import record_event
 from ..storage import Image, LayerRef, import_raw
 from ..storage.frontends import DiskFrontend
-from ..vmm import CaptureKind, VmmDriver
+from ..vmm import CaptureKind, CaptureResult, VmmDriver
 
 __all__ = ["TemplateSource", "BuildResult", "build_template"]
 
 log = logging.getLogger(__name__)
+
+#: A cold boot under emulation very rarely hangs for good (QEMU TCG's multi-threaded translation has races
+#: with a kernel patching its own code); a second boot from the same base layer is cheap next to failing the
+#: build. Only the envd wait is retried: a VMM that fails to start fails the build at once.
+BOOT_ATTEMPTS = 2
+
+
+def _console_tail(path: Path, limit: int = 400) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no console log)"
+    return repr(text[-limit:]) if text else "(empty console)"
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,8 @@ async def build_template(
     layers_dir.mkdir(parents=True, exist_ok=True)
     snap_dir.mkdir(parents=True, exist_ok=True)
     image: Image | None = None
+    boot_s: float | None = None
+    capture: CaptureResult | None = None
     try:
         log.info("template %s: importing %s as the base layer", template_id, source.rootfs.name)
         t_imp = time.monotonic()
@@ -131,25 +146,41 @@ async def build_template(
             lambda: import_raw(source.rootfs, layers_dir, virtual_size=max(
                 disk_bytes, -(-source.rootfs.stat().st_size // 4096) * 4096)))
         log.info("template %s: base layer %s in %.1fs", template_id, base.digest[:12], time.monotonic() - t_imp)
-        image = await trio.to_thread.run_sync(
-            lambda: Image.open([base.path], workdir / "upper"))
-        slot = await pool.acquire()
-        try:
-            t_boot = time.monotonic()
-            async with open_machine(driver, shape, disk=image, slot=slot, workdir=workdir,
-                                    run_dir=run_root / build_id, mem_file=snap_dir / "memory",
-                                    name=f"aenv-build-{template_id}", frontend=frontend) as m:
-                await wait_envd(slot.address, timeout=boot_timeout_s)
-                boot_s = time.monotonic() - t_boot
-                log.info("template %s: envd ready %.1fs after boot; capturing", template_id, boot_s)
-                t_cap = time.monotonic()
-                capture = await m.vm.capture(snap_dir / "vmstate", snap_dir / "memory",
-                                             kind=CaptureKind.FULL)
-                capture_s = time.monotonic() - t_cap
-                await m.vm.stop()
-        finally:
-            await pool.release(slot)
-            shutil.rmtree(run_root / build_id, ignore_errors=True)
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            image = await trio.to_thread.run_sync(
+                lambda: Image.open([base.path], workdir / "upper"))
+            slot = await pool.acquire()
+            try:
+                t_boot = time.monotonic()
+                async with open_machine(driver, shape, disk=image, slot=slot, workdir=workdir,
+                                        run_dir=run_root / build_id, mem_file=snap_dir / "memory",
+                                        name=f"aenv-build-{template_id}", frontend=frontend) as m:
+                    try:
+                        await wait_envd(slot.address, timeout=boot_timeout_s)
+                    except EnvdUnavailable as exc:
+                        if attempt == BOOT_ATTEMPTS:
+                            raise
+                        log.warning("template %s: boot %d hung (%s); console ends with: %s; booting again",
+                                    template_id, attempt, exc, _console_tail(workdir / "console.log"))
+                        await m.vm.stop()
+                        continue
+                    boot_s = time.monotonic() - t_boot
+                    log.info("template %s: envd ready %.1fs after boot; capturing", template_id, boot_s)
+                    t_cap = time.monotonic()
+                    capture = await m.vm.capture(snap_dir / "vmstate", snap_dir / "memory",
+                                                 kind=CaptureKind.FULL)
+                    capture_s = time.monotonic() - t_cap
+                    await m.vm.stop()
+                    break
+            finally:
+                await pool.release(slot)
+                shutil.rmtree(run_root / build_id, ignore_errors=True)
+                if attempt < BOOT_ATTEMPTS and boot_s is None:
+                    # the hung boot wrote to its upper: the next boot starts from the base layer alone
+                    await trio.to_thread.run_sync(image.close)
+                    image = None
+                    shutil.rmtree(workdir / "upper", ignore_errors=True)
+        assert image is not None and boot_s is not None and capture is not None
         sealed = await trio.to_thread.run_sync(image.seal, layers_dir)
         await trio.to_thread.run_sync(image.close)
         image = None
@@ -194,6 +225,7 @@ async def build_template(
             if image is not None:
                 await trio.to_thread.run_sync(image.close)
             shutil.rmtree(snap_dir, ignore_errors=True)
+            shutil.rmtree(workdir / "upper", ignore_errors=True)  # the console log stays: build.log_path
             message = f"{type(exc).__name__}: {exc}"
 
             def fail(s: Session) -> None:

@@ -73,9 +73,10 @@ def _wait_template(node: NodeProcess, template: str = "base", timeout: float = 9
     raise AssertionError(f"template {template} not ready after {timeout}s:\n{node.log()[-3000:]}")
 
 
-def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
+def start_node(state: Path, *, port: int | None = None, pool: str | None = None, wait_template: bool = True,
                **extra_env: str) -> NodeProcess:
-    """Start ``aenv-node serve`` on ``state`` and wait until the base template is ready."""
+    """Start ``aenv-node serve`` on ``state`` and wait until it answers and (unless ``wait_template`` is
+    False) its base template is ready."""
     state.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     env = {
@@ -108,7 +109,8 @@ def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
             assert time.monotonic() < deadline, "node did not answer /health"
             time.sleep(0.2)
         node = NodeProcess(url, (state / "secrets" / "api-key").read_text().strip(), state, proc, log_path)
-        _wait_template(node)
+        if wait_template:
+            _wait_template(node)
         return node
     except BaseException:
         stop_node(proc)

@@ -1,0 +1,60 @@
+"""A template build whose boot never brings envd up: retried once, then failed with the reason, and nothing
+left behind (no VMM process, no snapshot row or file, no build upper)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import start_node, stop_node
+
+pytestmark = pytest.mark.vm
+
+
+def _processes_mentioning(needle: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_hung_template_boot_is_retried_once_then_fails_cleanly() -> None:
+    state = Path(tempfile.mkdtemp(prefix="aenv-boot-", dir="/var/tmp"))
+    node = start_node(state, wait_template=False, AENV_TEMPLATES_BOOT_TIMEOUT_S="2")
+    try:
+        deadline = time.monotonic() + 300
+        with node.api() as c:
+            while True:
+                r = c.get("/templates/base")
+                if r.status_code == 200 and r.json()["buildStatus"] == "error":
+                    break
+                assert time.monotonic() < deadline, node.log()[-3000:]
+                time.sleep(0.5)
+        log = node.log()
+        assert "template base: boot 1 hung (envd at" in log and "booting again" in log, log[-3000:]
+        [(status, error)] = node.sql("SELECT status, error FROM template_builds WHERE template_id = 'base'")
+        assert status == "error" and "not ready after 2s" in error, error
+        [(to_state, ev_error)] = node.sql(
+            "SELECT to_state, error FROM events WHERE subject_id = 'base' AND to_state = 'error'")
+        assert ev_error == error
+        assert node.sql("SELECT count(*) FROM snapshots") == [(0,)]
+        assert list((state / "snapshots").iterdir()) == []
+        [build_dir] = (state / "builds").iterdir()
+        assert not (build_dir / "upper").exists()  # the console log stays for the post-mortem
+        assert (build_dir / "console.log").exists()
+        assert _processes_mentioning(str(build_dir)) == []  # the VMM (its console log is under the build dir)
+    finally:
+        stop_node(node.proc)
+        shutil.rmtree(state, ignore_errors=True)
