@@ -117,6 +117,9 @@ class StorageSection:
 @dataclass(frozen=True)
 class ImagesSection:
     cache_dir: str = ""
+    registries: tuple[str, ...] = ("docker.io",)
+    insecure_registries: tuple[str, ...] = ()
+    pull_concurrency: int = 4
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,12 @@ def _coerce(section: str, key: str, ftype: Any, value: Any, origin: str) -> Any:
             if not isinstance(value, (str, Path)) or not str(value):
                 raise ValueError(f"expected a path, got {value!r}")
             out = Path(value)
+        elif ftype in (tuple[str, ...], "tuple[str, ...]"):
+            # a TOML array of strings, or (from the environment) one comma-separated string
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+                raise ValueError(f"expected a list of strings, got {value!r}")
+            out = tuple(i.strip() for i in items if i.strip())
         else:
             if not isinstance(value, str):
                 raise ValueError(f"expected a string, got {value!r}")

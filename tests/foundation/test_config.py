@@ -41,6 +41,21 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     assert cfg.state_dir == Path("/from/flag")
 
 
+def test_lists_from_a_file_or_a_comma_separated_variable(tmp_path: Path) -> None:
+    assert load_config(environ={}).images.registries == ("docker.io",)
+    f = tmp_path / "c.toml"
+    f.write_text('[images]\nregistries = ["registry.local:5000", "docker.io"]\ninsecure_registries = []\n')
+    cfg = load_config(f, environ={})
+    assert cfg.images.registries == ("registry.local:5000", "docker.io") and cfg.images.insecure_registries == ()
+    cfg = load_config(f, environ={"AENV_IMAGES_INSECURE_REGISTRIES": "127.0.0.1:5000, localhost:6000,"})
+    assert cfg.images.insecure_registries == ("127.0.0.1:5000", "localhost:6000")
+    f.write_text('[images]\nregistries = "docker.io"\n')  # a plain string is one entry, as from the environment
+    assert load_config(f, environ={}).images.registries == ("docker.io",)
+    f.write_text('[images]\nregistries = [1, 2]\n')
+    with pytest.raises(ConfigError, match=r"images\.registries .*expected a list of strings"):
+        load_config(f, environ={})
+
+
 def test_long_env_form_beats_nothing_short_form_used(tmp_path: Path) -> None:
     cfg = load_config(environ={"AENV_NODE_STATE_DIR": "/long"})
     assert cfg.state_dir == Path("/long")
