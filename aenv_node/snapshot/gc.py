@@ -23,7 +23,8 @@ What stays (a snapshot is **reachable**; ``REACHABLE_CTE`` is the SQL):
   publishing uploads as the chain's first layer).
 
 A layer file stays while a reachable snapshot stacks it (``snapshot_layers``,
-disk and memory), is a reachable boot snapshot's ``memory_base_layer``, or
+disk and memory), is a reachable boot snapshot's ``memory_base_layer``, is a
+converted OCI layer (``image_layers``: the conversion cache images share), or
 sits in the disk stack of a sandbox live on this node (the sandbox service passes
 those stacks in: after a user snapshot is deleted its layers may still be
 under a running sandbox, and that sandbox's next capture stacks them again).
@@ -149,6 +150,7 @@ WHERE local_path IS NOT NULL
   AND digest NOT IN (SELECT memory_base_layer FROM snapshots
                      WHERE id IN (SELECT id FROM reachable WHERE id IS NOT NULL)
                        AND memory_base_layer IS NOT NULL)
+  AND digest NOT IN (SELECT layer_digest FROM image_layers)
 ORDER BY created_at
 """
 

@@ -153,6 +153,7 @@ class EventSubject(enum.StrEnum):
     TEMPLATE = "template"
     NODE = "node"
     SNAPSHOT = "snapshot"
+    IMAGE = "image"  # an OCI image pulled, a layer of one converted
 
 
 E = TypeVar("E", bound=enum.StrEnum)
@@ -223,6 +224,8 @@ class TemplateBuild(Base):
     template_id: Mapped[str] = mapped_column(ForeignKey("templates.id", ondelete="CASCADE"), index=True)
     status: Mapped[BuildStatus] = mapped_column(enum_column(BuildStatus, 16), default=BuildStatus.BUILDING)
     source: Mapped[str] = mapped_column(Text, default="")  # rootfs path, OCI ref, directory
+    #: what ``source`` resolved to: an OCI image's manifest digest (NULL for a raw root filesystem)
+    source_digest: Mapped[Optional[str]] = mapped_column(String(71))
     kit_hash: Mapped[str] = mapped_column(String(64), default="")
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[Optional[dt.datetime]]
@@ -334,6 +337,42 @@ class Layer(Base):
     repository_key: Mapped[Optional[str]] = mapped_column(Text)
     refcount: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ImageLayer(Base):
+    """A block layer converted from an OCI layer, keyed by its chain: the filesystem format at the bottom, then
+    every OCI layer's diff id up to this one (OCI's ChainID, salted with the format). Two images sharing base
+    layers share these rows and their files; a second pull of a shared base converts nothing. The layers this
+    table names stay while it names them (the garbage collector keeps them)."""
+
+    __tablename__ = "image_layers"
+
+    #: hex sha256 of (parent chain id, diff id); the bottom row's parent is the empty filesystem's key
+    chain_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    parent_chain_id: Mapped[Optional[str]] = mapped_column(String(64))
+    #: "sha256:<hex>" of the OCI layer's uncompressed tar; for the empty filesystem, its format key
+    diff_id: Mapped[str] = mapped_column(String(128))
+    layer_digest: Mapped[str] = mapped_column(ForeignKey("layers.digest"), index=True)
+    #: the image reference whose pull converted it first (for humans reading SQL)
+    first_source: Mapped[str] = mapped_column(Text, default="")
+    convert_ms: Mapped[Optional[float]] = mapped_column(Float)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class PulledImage(Base):
+    """An OCI image this node pulled: what a reference resolved to (its manifest digest, which a template
+    records, so the tag moving later changes nothing built from it), its config, and its top chain."""
+
+    __tablename__ = "images"
+
+    digest: Mapped[str] = mapped_column(String(71), primary_key=True)  # the manifest's "sha256:<hex>"
+    canonical: Mapped[str] = mapped_column(Text)  # registry/repository@digest
+    reference: Mapped[str] = mapped_column(Text)  # as asked for, the last time
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)  # env, working_dir, user, cmd, entrypoint
+    layer_count: Mapped[int] = mapped_column(Integer, default=0)
+    compressed_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    top_chain_id: Mapped[Optional[str]] = mapped_column(String(64))  # NULL until converted
+    pulled_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class SnapshotLayer(Base):
