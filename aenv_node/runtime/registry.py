@@ -58,7 +58,8 @@ class LiveSandboxes:
         sid = launch.sandbox_id
         spec = SandboxSpec(
             sandbox_id=sid, source=launch.source, env_vars=launch.env_vars, access_token=launch.access_token,
-            previous_token=launch.previous_token, default_user="user", policy=launch.policy,
+            previous_token=launch.previous_token, default_user=launch.source.default_user or "user",
+            default_workdir=launch.source.default_workdir, policy=launch.policy,
             workdir=cfg.sandboxes_dir / sid, run_dir=cfg.run_dir / sid, operation=launch.operation,
             traffic_token=launch.traffic_token)
         handle: SandboxHandle = await self._nursery.start(self._run, spec)

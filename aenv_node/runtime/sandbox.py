@@ -52,6 +52,7 @@ class SandboxSpec:
     access_token: Optional[str]
     previous_token: Optional[str]
     default_user: str
+    default_workdir: Optional[str]
     policy: EgressPolicy
     workdir: Path
     run_dir: Path
@@ -121,7 +122,8 @@ async def run_sandbox(
                     await init_envd(slot.address, env_vars=spec.env_vars,
                                     access_token=spec.access_token,
                                     previous_token=spec.previous_token,
-                                    default_user=spec.default_user)
+                                    default_user=spec.default_user,
+                                    default_workdir=spec.default_workdir)
                     duration_ms = (time.monotonic() - t0) * 1000
                     handle = SandboxHandle(
                         sid, slot.address, spec.access_token, slot.index, m.vm.pid, source=src.copy(),

@@ -193,7 +193,9 @@ async def capture_running(
                 vmstate_location=str(cap.vmstate), vmstate_format=cap.format.value,
                 memory_location=str(snap_dir / "memory"), memory_base_location=source.memory_base or None,
                 dirty_bytes=cap.dirty_bytes,
-                config=SnapshotConfig(shape=source.shape, access_token=access_token, env_vars=env_vars),
+                config=SnapshotConfig(shape=source.shape, access_token=access_token, env_vars=env_vars,
+                                      default_user=source.default_user,
+                                      default_workdir=source.default_workdir),
                 memory_mb=source.shape.mem_mib, committed_at=utcnow(),
             ))
             s.flush()

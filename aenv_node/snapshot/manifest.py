@@ -71,6 +71,8 @@ class SnapshotManifest(LayerManifest):
     memory_mb: int
     access_token: Optional[str] = None
     env_vars: dict[str, str] = Field(default_factory=dict)
+    default_user: Optional[str] = None
+    default_workdir: Optional[str] = None
     sandbox: SandboxRecord
 
     @property

@@ -161,7 +161,8 @@ async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, sna
         disk_layers=[DiskLayerRef(digest=l.digest, size=l.size_bytes, virtual_size=l.virtual_size_bytes)
                      for l in disk],
         memory_layers=memory_chain, memory_mb=sn.memory_mb, access_token=sn.config.access_token,
-        env_vars=dict(sn.config.env_vars), sandbox=SandboxRecord.of(sb))
+        env_vars=dict(sn.config.env_vars), default_user=sn.config.default_user,
+        default_workdir=sn.config.default_workdir, sandbox=SandboxRecord.of(sb))
 
     result = await trio.to_thread.run_sync(
         lambda: repo.commit_snapshot(sn.id, manifest.model_dump(mode="json"), layer_paths, require=require))
@@ -265,7 +266,8 @@ async def _record_import(db: Database, snapshots_dir: Path, sandbox_id: str, nod
                 memory_location=str(snap_dir / "memory"), memory_base_location=None, memory_from_layers=True,
                 imported_parent_id=manifest.parent_id, published=True,
                 config=SnapshotConfig(shape=manifest.shape, access_token=manifest.access_token,
-                                      env_vars=dict(manifest.env_vars)),
+                                      env_vars=dict(manifest.env_vars), default_user=manifest.default_user,
+                                      default_workdir=manifest.default_workdir),
                 memory_mb=manifest.memory_mb, committed_at=utcnow()))
             s.flush()
             record_stack(s, snap_id, [LayerRef.remote(l.digest) for l in manifest.disk_layers],

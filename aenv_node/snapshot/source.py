@@ -41,6 +41,9 @@ class SnapshotSource:
     #: the envd token the guest had at the capture (``/init`` rotates it with this one)
     access_token: Optional[str] = None
     env_vars: dict[str, str] = field(default_factory=dict)
+    #: the user and directory envd defaults to (a template's, from its image or build); None: envd's own
+    default_user: Optional[str] = None
+    default_workdir: Optional[str] = None
     #: imported from the repository: ``memory`` must be materialized from the layers before a restore
     memory_from_layers: bool = False
 
@@ -74,4 +77,5 @@ def load_source(s: Session, snapshot_id: str) -> Optional[SnapshotSource]:
         memory=Path(sn.memory_location), memory_layers=memory, memory_base=memory_base_of(sn),
         shape=sn.config.shape, template_id=sn.template_id or "", disk_layers=disk,
         access_token=sn.config.access_token, env_vars=dict(sn.config.env_vars),
+        default_user=sn.config.default_user, default_workdir=sn.config.default_workdir,
         memory_from_layers=sn.memory_from_layers)

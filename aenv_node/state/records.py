@@ -68,6 +68,10 @@ class SnapshotConfig(BaseModel):
     rootfs: Optional[str] = None
     kit_hash: Optional[str] = None
     envd_version: Optional[str] = None
+    #: the user and working directory envd defaults to (an image's USER/WORKDIR, a build's last ones);
+    #: None: envd's own default (``user``, its home)
+    default_user: Optional[str] = None
+    default_workdir: Optional[str] = None
 
 
 R = TypeVar("R", bound=BaseModel)

@@ -34,6 +34,7 @@ from ..state import (
     BuildStatus,
     Database,
     EventSubject,
+    Layer,
     LayerKind,
     MachineShape,
     Snapshot,
@@ -46,7 +47,7 @@ from ..state import (
     utcnow,
 )
 from ..state.repository import record_event
-from ..storage import Image, LayerRef, import_raw
+from ..storage import Image, LayerInfo, LayerReader, LayerRef, import_raw
 from ..storage.frontends import DiskFrontend
 from ..vmm import CaptureKind, CaptureResult, VmmDriver
 
@@ -60,6 +61,18 @@ log = logging.getLogger(__name__)
 BOOT_ATTEMPTS = 2
 
 
+def _top_size(stack: list[Path]) -> int:
+    """The largest virtual size among the layers (a converted layer may have grown the disk)."""
+    size = 0
+    for p in stack:
+        reader = LayerReader.open(p)
+        try:
+            size = max(size, reader.virtual_size)
+        finally:
+            reader.close()
+    return size
+
+
 def _console_tail(path: Path, limit: int = 400) -> str:
     try:
         text = path.read_text(errors="replace").strip()
@@ -70,15 +83,28 @@ def _console_tail(path: Path, limit: int = 400) -> str:
 
 @dataclass(frozen=True)
 class TemplateSource:
-    """What a template is built from: a raw ext4 root filesystem and the guest kit."""
+    """What a template is built from: the guest kit, and either a raw ext4 root filesystem (imported as the
+    base layer) or block layers already made (an OCI image's, converted and provisioned), bottom first."""
 
-    rootfs: Path
     kernel: Path
     initrd: Path
     tools_img: Path
     cmdline: str
     kit_hash: str
     free_page_reporting: bool = False
+    rootfs: Path | None = None
+    layers: tuple[Path, ...] = ()
+    #: what the build row says it was built from (default: the rootfs path), and what that resolved to
+    description: str = ""
+    source_digest: str | None = None
+    #: the guest's environment and defaults every sandbox of the template starts with (an image's config)
+    env_vars: tuple[tuple[str, str], ...] = ()
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.rootfs is None) == (not self.layers):
+            raise ValueError("a template source is a rootfs or layers, exactly one of them")
 
 
 @dataclass(frozen=True)
@@ -127,7 +153,8 @@ async def build_template(
             s.add(Template(id=template_id, alias=alias, status=BuildStatus.BUILDING, cpu_count=vcpus,
                            memory_mb=mem_mib, disk_size_mb=disk_size_mb, envd_version=envd_version))
         s.add(TemplateBuild(id=build_id, template_id=template_id, status=BuildStatus.BUILDING,
-                            source=str(source.rootfs), kit_hash=source.kit_hash,
+                            source=source.description or str(source.rootfs), source_digest=source.source_digest,
+                            kit_hash=source.kit_hash,
                             log_path=str(workdir / "console.log")))
         record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=template_id,
                      to_state=BuildStatus.BUILDING, detail={"build_id": build_id})
@@ -139,16 +166,23 @@ async def build_template(
     boot_s: float | None = None
     capture: CaptureResult | None = None
     try:
-        log.info("template %s: importing %s as the base layer", template_id, source.rootfs.name)
-        t_imp = time.monotonic()
         disk_bytes = disk_size_mb << 20
-        base = await trio.to_thread.run_sync(
-            lambda: import_raw(source.rootfs, layers_dir, virtual_size=max(
-                disk_bytes, -(-source.rootfs.stat().st_size // 4096) * 4096)))
-        log.info("template %s: base layer %s in %.1fs", template_id, base.digest[:12], time.monotonic() - t_imp)
+        base: LayerInfo | None = None
+        if source.rootfs is not None:
+            rootfs = source.rootfs
+            log.info("template %s: importing %s as the base layer", template_id, rootfs.name)
+            t_imp = time.monotonic()
+            base = await trio.to_thread.run_sync(
+                lambda: import_raw(rootfs, layers_dir, virtual_size=max(
+                    disk_bytes, -(-rootfs.stat().st_size // 4096) * 4096)))
+            log.info("template %s: base layer %s in %.1fs", template_id, base.digest[:12], time.monotonic() - t_imp)
+            stack = [Path(base.path)]
+        else:
+            stack = list(source.layers)
+        size = max(disk_bytes, await trio.to_thread.run_sync(_top_size, stack))
         for attempt in range(1, BOOT_ATTEMPTS + 1):
             image = await trio.to_thread.run_sync(
-                lambda: Image.open([base.path], workdir / "upper"))
+                lambda: Image.open([str(p) for p in stack], workdir / "upper", size=size))
             slot = await pool.acquire()
             try:
                 t_boot = time.monotonic()
@@ -185,20 +219,30 @@ async def build_template(
         await trio.to_thread.run_sync(image.close)
         image = None
 
+        refs = [LayerRef.local(str(p), "sha256:" + p.name.removesuffix(".layer")) for p in stack]
+        refs.append(LayerRef.local(sealed.path, layer_digest(sealed)))
+
         def commit(s: Session) -> None:
-            for info in (base, sealed):
-                reference_layer(s, info, LayerKind.DISK)
+            if base is not None:
+                reference_layer(s, base, LayerKind.DISK)
+            else:  # converted layers: their rows exist (the converter wrote them)
+                for ref in refs[:-1]:
+                    row = s.get(Layer, ref.digest)
+                    if row is not None:
+                        row.refcount += 1
+            reference_layer(s, sealed, LayerKind.DISK)
             s.add(Snapshot(
                 id=snapshot_id, kind=SnapshotKind.BOOT, status=SnapshotStatus.COMMITTED, template_id=template_id,
                 vmm=capture.vmm, vmstate_location=str(capture.vmstate), vmstate_format=capture.format.value,
                 memory_location=str(capture.memory),
-                config=SnapshotConfig(shape=shape, envd_version=envd_version, rootfs=str(source.rootfs),
-                                      kit_hash=source.kit_hash),
+                config=SnapshotConfig(shape=shape, envd_version=envd_version,
+                                      rootfs=str(source.rootfs) if source.rootfs is not None else None,
+                                      kit_hash=source.kit_hash, env_vars=dict(source.env_vars),
+                                      default_user=source.default_user, default_workdir=source.default_workdir),
                 memory_mb=mem_mib, committed_at=utcnow(),
             ))
             s.flush()
-            record_stack(s, snapshot_id, [LayerRef.local(base.path, layer_digest(base)),
-                                          LayerRef.local(sealed.path, layer_digest(sealed))], [])
+            record_stack(s, snapshot_id, refs, [])
             t = s.get(Template, template_id)
             assert t is not None  # begin() made it
             old_snapshot = t.boot_snapshot_id

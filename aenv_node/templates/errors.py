@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TemplateBuildError", "ImageHasNoShell"]
+__all__ = ["GuestExecError", "ImageHasNoShell", "TemplateBuildError"]
 
 
 class TemplateBuildError(Exception):
@@ -11,3 +11,8 @@ class TemplateBuildError(Exception):
 
 class ImageHasNoShell(TemplateBuildError):
     """The image has no ``/bin/sh``: envd runs commands and build steps through a shell."""
+
+
+class GuestExecError(TemplateBuildError):
+    """envd in the build VM refused or broke off a request (a command failing is not this: its exit status
+    is the step's result)."""

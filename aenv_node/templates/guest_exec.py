@@ -1,0 +1,118 @@
+"""Running a build's commands in its VM through envd: RUN steps, the start command and the ready check.
+
+The node speaks to envd over the same Connect protocol (JSON codec) the E2B SDKs use (the envelope format is in
+``docs/api.md`` and the reference notes): ``process.Process/Start`` streams a start event, output chunks and an
+end event. Why hand-written: the only client libraries for it are the E2B SDKs themselves (the node does not
+depend on a client SDK), and the subset a build needs, one server stream read incrementally, is a few dozen
+lines on httpx. A build VM has had no ``/init``, so its envd has no access token and takes requests as is.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+import httpx
+import trio
+
+from ..snapshot.envd import ENVD_PORT
+from .errors import GuestExecError
+
+__all__ = ["ExecResult", "run_in_guest", "start_in_guest"]
+
+Output = Callable[[str, str], None]  # (stream name "stdout"/"stderr", text)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    status: str  # envd's, e.g. "exit status 1" or "signal: killed"
+    error: str | None = None
+
+
+def _auth(user: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+
+
+def _start_body(cmd: str, *, envs: Mapping[str, str], cwd: str | None) -> bytes:
+    process: dict[str, object] = {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": dict(envs)}
+    if cwd:
+        process["cwd"] = cwd
+    msg = json.dumps({"process": process, "stdin": False}).encode()
+    return b"\0" + struct.pack(">I", len(msg)) + msg
+
+
+async def _envelopes(response: httpx.Response) -> AsyncIterator[tuple[int, dict[str, object]]]:
+    buf = b""
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        while len(buf) >= 5:
+            flags, size = buf[0], struct.unpack(">I", buf[1:5])[0]
+            if len(buf) < 5 + size:
+                break
+            body, buf = buf[5:5 + size], buf[5 + size:]
+            doc = json.loads(body or b"{}")
+            yield flags, doc if isinstance(doc, dict) else {}
+
+
+def _event(doc: dict[str, object]) -> dict[str, object]:
+    ev = doc.get("event")
+    return ev if isinstance(ev, dict) else {}
+
+
+async def run_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
+                       cwd: str | None = None, timeout_s: float = 600.0,
+                       on_output: Output | None = None) -> ExecResult:
+    """Run ``cmd`` with ``/bin/sh -c`` as ``user`` and wait for it; output goes to ``on_output`` as it comes."""
+    url = f"http://{host}:{ENVD_PORT}/process.Process/Start"
+    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+               "Connect-Timeout-Ms": str(int(timeout_s * 1000)), **_auth(user)}
+    end: dict[str, object] | None = None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s + 10, connect=10)) as client:
+        async with client.stream("POST", url, content=_start_body(cmd, envs=envs or {}, cwd=cwd),
+                                 headers=headers) as r:
+            if r.status_code != 200:
+                raise GuestExecError(f"envd answered {r.status_code}: {(await r.aread())[:300]!r}")
+            async for flags, doc in _envelopes(r):
+                if flags & 0x02:
+                    err = doc.get("error")
+                    if isinstance(err, dict):
+                        raise GuestExecError(f"envd: {err.get('code')}: {err.get('message')}")
+                    break
+                ev = _event(doc)
+                data = ev.get("data")
+                if isinstance(data, dict) and on_output is not None:
+                    for stream in ("stdout", "stderr"):
+                        if isinstance(data.get(stream), str):
+                            on_output(stream, base64.b64decode(str(data[stream])).decode(errors="replace"))
+                if isinstance(ev.get("end"), dict):
+                    end = ev["end"]  # type: ignore[assignment]
+    if end is None:
+        raise GuestExecError(f"envd ended the stream of {cmd!r} without its exit status")
+    code = end.get("exitCode", 0)
+    return ExecResult(int(code) if isinstance(code, (int, str)) else -1, str(end.get("status", "")),
+                      str(end["error"]) if end.get("error") else None)
+
+
+async def start_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
+                         cwd: str | None = None) -> int:
+    """Start ``cmd`` (``/bin/sh -c``) as ``user`` and leave it running (envd keeps a process whose client went
+    away, and no Connect timeout is set): its pid."""
+    url = f"http://{host}:{ENVD_PORT}/process.Process/Start"
+    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1", **_auth(user)}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30, connect=10)) as client:
+        async with client.stream("POST", url, content=_start_body(cmd, envs=envs or {}, cwd=cwd),
+                                 headers=headers) as r:
+            if r.status_code != 200:
+                raise GuestExecError(f"envd answered {r.status_code}: {(await r.aread())[:300]!r}")
+            with trio.move_on_after(30):
+                async for flags, doc in _envelopes(r):
+                    if flags & 0x02:
+                        raise GuestExecError(f"envd could not start {cmd!r}: {doc.get('error')}")
+                    start = _event(doc).get("start")
+                    if isinstance(start, dict):
+                        return int(start.get("pid", 0))
+    raise GuestExecError(f"envd did not report the start of {cmd!r}")
