@@ -31,6 +31,7 @@ from ..runtime.errors import (
     SnapshotNotFound,
     TemplateNotFound,
     TemplateNotReady,
+    TemplateRequestError,
 )
 from ..snapshot.envd import EnvdUnavailable
 from ..state.errors import IllegalTransition, NotFound
@@ -64,6 +65,7 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     ForkLimit: 400,
     # runtime
     TemplateNotFound: 404,
+    TemplateRequestError: 400,
     SnapshotNotFound: 404,
     SandboxNotRunning: 404,
     SandboxConflict: 409,

@@ -16,6 +16,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .build_models import (
+    TemplateBuildInfo,
+    TemplateBuildRequest,
+    TemplateBuildStart,
+    TemplateFileUpload,
+    TemplateRequestResponse,
+)
 from .models import (
     ConnectSandbox,
     Event,
@@ -138,7 +145,17 @@ ROUTES: tuple[Route, ...] = (
           "Delete a template or snapshot", _T, success=204),
     Route("GET", "/templates/aliases/{alias}", "get_template_alias", "Resolve a template alias", _T,
           response=TemplateAlias),
-    Route("POST", "/v3/templates", "create_template", "Register a template build", _T, success=202),
+    Route("POST", "/v3/templates", "create_template", "Register a template build", _T, success=202,
+          request=TemplateBuildRequest, response=TemplateRequestResponse),
+    Route("GET", "/templates/{templateID}/files/{hash}", "get_template_files",
+          "Whether a COPY step's files are here, else where to upload them", _T, success=201,
+          response=TemplateFileUpload),
+    Route("PUT", "/templates/{templateID}/files/{hash}", "upload_template_files",
+          "Upload a COPY step's files (the address get_template_files gave, with its token)", _T,
+          success=204, auth=False),
+    Route("POST", "/v2/templates/{templateID}/builds/{buildID}", "start_template_build",
+          "Start a registered build from its recipe", _T, success=202, request=TemplateBuildStart),
     Route("GET", "/templates/{templateID}/builds/{buildID}/status", "get_template_build_status",
-          "Template build status", _T),
+          "Template build status and log entries from logsOffset", _T, response=TemplateBuildInfo,
+          query=("logsOffset",)),
 )

@@ -125,6 +125,8 @@ class ImagesSection:
 @dataclass(frozen=True)
 class TemplatesSection:
     boot_timeout_s: float = 180.0
+    ready_timeout_s: float = 300.0
+    max_concurrent_builds: int = 2
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,10 @@ class ProcessService:
             raise ConnectError("invalid_argument", f"cwd '{cwd}' does not exist")
         if not cmd:
             raise ConnectError("invalid_argument", "error starting process '': exec: no command")
+        if cmd == "/bin/bash" and not os.path.exists(cmd) and os.path.exists("/bin/sh"):
+            # The SDKs run every command through /bin/bash; an image without bash (alpine, busybox, distroless
+            # with a shell) still has /bin/sh, which takes the same -l, -i and -c.
+            cmd = "/bin/sh"
         pty_size = None
         pty = msg.get("pty")
         if isinstance(pty, dict):

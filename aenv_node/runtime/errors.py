@@ -20,6 +20,7 @@ __all__ = [
     "SandboxConflict",
     "ForkLimit",
     "PoolInUse",
+    "TemplateRequestError",
 ]
 
 
@@ -52,3 +53,7 @@ class SandboxNotRunning(RuntimeLayerError):
 
 class PoolInUse(RuntimeLayerError):
     """The configured slot range is already routed on this host (another node?)."""
+
+
+class TemplateRequestError(RuntimeLayerError):
+    """A template build request the node cannot take (a bad name, a build started twice)."""

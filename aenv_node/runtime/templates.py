@@ -9,6 +9,10 @@ create that names a template being built waits for that build; a template whose 
 from __future__ import annotations
 
 import logging
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import trio
@@ -16,12 +20,24 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..guest import __envd_version__
-from ..state import BuildStatus, Snapshot, SnapshotStatus, Template
-from ..templates import BaseTemplateInputs, ensure_base_template
-from .errors import TemplateNotFound, TemplateNotReady
+from ..images import ImageError
+from ..state import BuildStatus, EventSubject, Snapshot, SnapshotStatus, Template, TemplateBuild, new_id, utcnow
+from ..state.repository import record_event
+from ..templates import (
+    BaseTemplateInputs,
+    BuildLog,
+    ImageConverter,
+    LogEntry,
+    Recipe,
+    RecipeInputs,
+    TemplateBuildError,
+    build_recipe,
+    ensure_base_template,
+)
+from .errors import NodeNotReady, TemplateNotFound, TemplateNotReady, TemplateRequestError
 from .parts import NodeParts
 
-__all__ = ["TemplateService", "envd_version"]
+__all__ = ["BuildRequest", "BuildStatusView", "TemplateService", "envd_version"]
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +45,55 @@ log = logging.getLogger(__name__)
 _BUILD_WAIT_S = 600
 
 
+_ALIAS = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class BuildStatusView:
+    template_id: str
+    build_id: str
+    status: BuildStatus
+    entries: list[LogEntry]
+    error: str | None
+
+
+def _fail_build(s: Session, build_id: str, message: str) -> None:
+    """Mark a build failed (and its template, when it has no ready snapshot) with the reason."""
+    b = s.get(TemplateBuild, build_id)
+    if b is None or b.status in (BuildStatus.READY, BuildStatus.ERROR):
+        return
+    b.status, b.error, b.finished_at = BuildStatus.ERROR, message, utcnow()
+    t = s.get(Template, b.template_id)
+    if t is not None and t.boot_snapshot_id is None:
+        t.status = BuildStatus.ERROR
+    record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=b.template_id,
+                 to_state=BuildStatus.ERROR, error=message, detail={"build_id": build_id})
+
+
+def _fail_interrupted_builds(s: Session) -> None:
+    """At start: a build still waiting or building was cut by the node stopping; none runs twice."""
+    rows = s.scalars(select(TemplateBuild).where(
+        TemplateBuild.status.in_((BuildStatus.WAITING, BuildStatus.BUILDING)))).all()
+    for b in rows:
+        _fail_build(s, b.id, "interrupted by a restart of the node; start a new build")
+
+
 def envd_version() -> str:
     """The version of the envd the guest kit ships."""
     return __envd_version__
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """A build registered by ``POST /v3/templates`` (its template row exists; the recipe comes later)."""
+
+    template_id: str
+    build_id: str
+    alias: str
+    tag: str
+    vcpus: int
+    mem_mib: int
+    disk_size_mb: int
 
 
 class TemplateService:
@@ -42,15 +104,144 @@ class TemplateService:
         self.build_default = build_default
         self._builds: dict[str, trio.Event] = {}
         self._errors: dict[str, str] = {}
+        self._logs: dict[str, BuildLog] = {}
+        self._nursery: trio.Nursery | None = None
+        cfg = parts.cfg
+        self._limiter = trio.CapacityLimiter(max(1, cfg.templates.max_concurrent_builds))
+        self.converter = ImageConverter(parts.db, layers_dir=cfg.layers_dir, work_root=cfg.state_dir / "builds",
+                                        run_root=cfg.run_dir)
+
+    @property
+    def files_dir(self) -> Path:
+        """COPY archives clients upload, by files hash (``GET /templates/{id}/files/{hash}``)."""
+        return self.parts.cfg.state_dir / "template-files"
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        if self.build_default:
-            tid = self.parts.cfg.sandbox.default_template
-            try:
-                await self.ensure_base(tid)
-            except Exception as exc:
-                log.error("building the default template %r failed: %s", tid, exc)
+        await self.parts.db.run(_fail_interrupted_builds)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            if self.build_default:
+                tid = self.parts.cfg.sandbox.default_template
+                try:
+                    await self.ensure_base(tid)
+                except Exception as exc:
+                    log.error("building the default template %r failed: %s", tid, exc)
+            await trio.sleep_forever()
+
+    # -- builds from recipes (the E2B template build API) -------------------------------------------------------
+    async def register_build(self, name: str, *, cpu_count: int | None, memory_mb: int | None,
+                             min_free_disk_mb: int | None) -> BuildRequest:
+        """A new build of the template named ``name`` (``alias`` or ``alias:tag``), waiting for its recipe."""
+        alias, _, tag = name.partition(":")
+        if not _ALIAS.fullmatch(alias) or (tag and not _ALIAS.fullmatch(tag)):
+            raise TemplateRequestError(f"template name {name!r}: use lowercase letters, digits, '-', '_' and '.' "
+                                       "(optionally ':tag')")
+        if alias == self.parts.cfg.sandbox.default_template:
+            raise TemplateRequestError(f"template {alias!r} is this node's own default template")
+        sb = self.parts.cfg.sandbox
+        vcpus, mem = cpu_count or sb.default_cpu_count, memory_mb or sb.default_memory_mb
+        disk = sb.default_disk_size_mb + (min_free_disk_mb or 0)
+        build_id = str(uuid.uuid4())
+
+        def work(s: Session) -> str:
+            t = s.scalars(select(Template).where(Template.alias == alias)).first()
+            if t is None:
+                t = Template(id=new_id("tpl_"), alias=alias, status=BuildStatus.WAITING, cpu_count=vcpus,
+                             memory_mb=mem, disk_size_mb=disk, envd_version=envd_version())
+                s.add(t)
+                s.flush()
+            s.add(TemplateBuild(id=build_id, template_id=t.id, status=BuildStatus.WAITING, source=name,
+                                log_path=str(self._build_dir(build_id) / "build.log.jsonl")))
+            record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=t.id,
+                         to_state=BuildStatus.WAITING, detail={"build_id": build_id, "name": name})
+            return t.id
+
+        tid = await self.parts.db.run(work)
+        self._logs[build_id] = BuildLog(self._build_dir(build_id) / "build.log.jsonl")
+        return BuildRequest(tid, build_id, alias, tag or "default", vcpus, mem, disk)
+
+    def _build_dir(self, build_id: str) -> Path:
+        return self.parts.cfg.state_dir / "builds" / build_id
+
+    async def start_build(self, template_id: str, build_id: str, recipe: Recipe) -> None:
+        """Run the registered build ``build_id`` of ``template_id`` from ``recipe``, in the background."""
+
+        def find(s: Session) -> tuple[Template, TemplateBuild] | None:
+            b = s.get(TemplateBuild, build_id)
+            t = s.get(Template, template_id)
+            if b is None or t is None or b.template_id != t.id:
+                return None
+            return t, b
+
+        found = await self.parts.db.run(find)
+        if found is None:
+            raise TemplateNotFound(f"build {build_id} of template {template_id} not found")
+        t, b = found
+        if b.status != BuildStatus.WAITING or build_id in self._builds:
+            raise TemplateRequestError(f"build {build_id} was already started (status {b.status})")
+        if self._nursery is None:
+            raise NodeNotReady("the template service is not running")
+        self._builds[build_id] = trio.Event()
+        self._nursery.start_soon(self._run_build, t, build_id, recipe)
+
+    async def _run_build(self, t: Template, build_id: str, recipe: Recipe) -> None:
+        blog = self._logs.setdefault(build_id, BuildLog(self._build_dir(build_id) / "build.log.jsonl"))
+        ev = self._builds[build_id]
+        try:
+            if self._limiter.borrowed_tokens >= self._limiter.total_tokens:
+                blog.info("waiting for a build slot (templates.max_concurrent_builds)")
+            async with self._limiter:
+                blog.info(f"building {t.alias or t.id} from {recipe.source}")
+                await build_recipe(self.parts.db, self.parts.running_pool(), self.converter, self._recipe_inputs(),
+                                   template_id=t.id, alias=t.alias, build_id=build_id, recipe=recipe,
+                                   vcpus=t.cpu_count, mem_mib=t.memory_mb, disk_size_mb=t.disk_size_mb,
+                                   build_log=blog, wait_template=self._wait_build_of)
+            self.parts.gc.request("template_build")
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await self.parts.db.run(_fail_build, build_id, "interrupted: the node shut down during the build")
+            raise
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, (TemplateBuildError, ImageError)) else f"{type(exc).__name__}: {exc}"
+            blog.add(f"build failed: {message}", level="error")
+            log.warning("template %s build %s failed: %s", t.alias or t.id, build_id, message)
+            await self.parts.db.run(_fail_build, build_id, message)
+        finally:
+            ev.set()
+
+    async def _wait_build_of(self, name: str) -> None:
+        ev = self._builds.get(name)
+        if ev is not None and not ev.is_set():
+            with trio.move_on_after(_BUILD_WAIT_S):
+                await ev.wait()
+
+    def _recipe_inputs(self) -> RecipeInputs:
+        p = self.parts
+        cfg = p.cfg
+        return RecipeInputs(
+            driver=p.driver, accel=p.accel, frontend=p.frontend, free_page_reporting=p.free_page_reporting,
+            images_cache_dir=cfg.images_cache_dir, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
+            work_root=cfg.state_dir / "builds", run_root=cfg.run_dir, files_dir=self.files_dir,
+            envd_version=envd_version(), boot_timeout_s=cfg.templates.boot_timeout_s,
+            ready_timeout_s=cfg.templates.ready_timeout_s, registries=cfg.images.registries,
+            insecure_registries=cfg.images.insecure_registries, pull_concurrency=cfg.images.pull_concurrency,
+            base_template=cfg.sandbox.default_template)
+
+    async def build_status(self, template_id: str, build_id: str, offset: int) -> BuildStatusView:
+        """A build's status and its log from ``offset`` (at most 100 entries), as the status route shows it."""
+
+        def work(s: Session) -> TemplateBuild | None:
+            b = s.get(TemplateBuild, build_id)
+            return b if b is not None and b.template_id == template_id else None
+
+        b = await self.parts.db.run(work)
+        if b is None:
+            raise TemplateNotFound(f"build {build_id} of template {template_id} not found")
+        blog = self._logs.get(build_id)
+        if blog is None:
+            blog = BuildLog.load(self._build_dir(build_id) / "build.log.jsonl")
+        return BuildStatusView(b.template_id, b.id, b.status, blog.entries(offset), b.error)
 
     def _inputs(self) -> BaseTemplateInputs:
         p = self.parts

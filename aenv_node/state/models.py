@@ -128,6 +128,7 @@ class TemplateKind(enum.StrEnum):
 class BuildStatus(enum.StrEnum):
     """Status of a template and of one of its builds."""
 
+    WAITING = "waiting"  # a build registered (POST /v3/templates), not started yet
     BUILDING = "building"
     READY = "ready"
     ERROR = "error"

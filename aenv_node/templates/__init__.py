@@ -1,14 +1,34 @@
-"""Template builds: the only place a sandbox machine cold-boots (``build``), and the node's own ``base``
-template kept current with its guest kit and root filesystem (``base``)."""
+"""Template builds: the only place a sandbox machine cold-boots (``build``), the node's own ``base`` template
+kept current with its guest kit and root filesystem (``base``), and templates built from recipes (``recipe``,
+``recipe_build``): FROM an OCI image (``convert``: layers shared by chain, ``provision``) or another template,
+then steps in a build VM (``steps``)."""
 
 from .base import BaseTemplateInputs, base_template_current, ensure_base_template
-from .build import BuildResult, TemplateSource, build_template
+from .build import BuildResult, GuestDefaults, TemplateSource, build_template
+from .convert import ConvertedImage, ImageConverter
+from .errors import GuestExecError, ImageHasNoShell, TemplateBuildError
+from .recipe import BuildLog, LogEntry, Recipe, Step
+from .recipe_build import RecipeInputs, build_recipe
+from .steps import StepFailed
 
 __all__ = [
     "BaseTemplateInputs",
+    "BuildLog",
     "BuildResult",
+    "ConvertedImage",
+    "GuestDefaults",
+    "GuestExecError",
+    "ImageConverter",
+    "ImageHasNoShell",
+    "LogEntry",
+    "Recipe",
+    "RecipeInputs",
+    "Step",
+    "StepFailed",
+    "TemplateBuildError",
     "TemplateSource",
     "base_template_current",
+    "build_recipe",
     "build_template",
     "ensure_base_template",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,7 @@ import trio
 
 from sqlalchemy.orm import Session
 
+from ..images import ImageError
 from ..net import SlotPool
 from ..snapshot.envd import EnvdUnavailable, wait_envd
 from ..snapshot.layers import layer_digest, record_stack, reference_layer
@@ -50,8 +52,9 @@ from ..state.repository import record_event
 from ..storage import Image, LayerInfo, LayerReader, LayerRef, import_raw
 from ..storage.frontends import DiskFrontend
 from ..vmm import CaptureKind, CaptureResult, VmmDriver
+from .errors import TemplateBuildError
 
-__all__ = ["TemplateSource", "BuildResult", "build_template"]
+__all__ = ["BuildResult", "GuestDefaults", "Prepare", "TemplateSource", "build_template"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,18 @@ class TemplateSource:
 
 
 @dataclass(frozen=True)
+class GuestDefaults:
+    """The environment, default user and working directory every sandbox of a template starts with."""
+
+    env_vars: dict[str, str]
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+
+Prepare = Callable[[str], Awaitable[GuestDefaults | None]]
+
+
+@dataclass(frozen=True)
 class BuildResult:
     template_id: str
     snapshot_id: str
@@ -136,9 +151,15 @@ async def build_template(
     disk_size_mb: int,
     envd_version: str,
     boot_timeout_s: float = 180.0,
+    build_id: str | None = None,
+    prepare: Prepare | None = None,
 ) -> BuildResult:
+    """Build ``template_id`` from ``source`` (see the module docstring). ``build_id``: a build row made earlier
+    (the API registers builds before they run), else a new one. ``prepare(host)`` runs once envd answers in the
+    build VM, before the capture (a recipe's steps, start command and ready check); it may return the
+    environment, default user and workdir the template gets instead of the source's."""
     started = time.monotonic()
-    build_id = new_id("bld_")
+    build_id = build_id or new_id("bld_")
     snapshot_id = new_id("snp_")
     snap_dir = snapshots_dir / snapshot_id
     workdir = work_root / build_id
@@ -149,13 +170,21 @@ async def build_template(
     )
 
     def begin(s: Session) -> None:
-        if s.get(Template, template_id) is None:
+        t = s.get(Template, template_id)
+        if t is None:
             s.add(Template(id=template_id, alias=alias, status=BuildStatus.BUILDING, cpu_count=vcpus,
                            memory_mb=mem_mib, disk_size_mb=disk_size_mb, envd_version=envd_version))
-        s.add(TemplateBuild(id=build_id, template_id=template_id, status=BuildStatus.BUILDING,
-                            source=source.description or str(source.rootfs), source_digest=source.source_digest,
-                            kit_hash=source.kit_hash,
-                            log_path=str(workdir / "console.log")))
+        elif t.boot_snapshot_id is None:
+            t.status = BuildStatus.BUILDING
+        b = s.get(TemplateBuild, build_id)
+        if b is None:
+            b = TemplateBuild(id=build_id, template_id=template_id)
+            s.add(b)
+        b.status = BuildStatus.BUILDING
+        b.source = source.description or str(source.rootfs)
+        b.source_digest = source.source_digest
+        b.kit_hash = source.kit_hash
+        b.log_path = b.log_path or str(workdir / "console.log")
         record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=template_id,
                      to_state=BuildStatus.BUILDING, detail={"build_id": build_id})
 
@@ -163,6 +192,7 @@ async def build_template(
     layers_dir.mkdir(parents=True, exist_ok=True)
     snap_dir.mkdir(parents=True, exist_ok=True)
     image: Image | None = None
+    guest = GuestDefaults(dict(source.env_vars), source.default_user, source.default_workdir)
     boot_s: float | None = None
     capture: CaptureResult | None = None
     try:
@@ -193,13 +223,20 @@ async def build_template(
                         await wait_envd(slot.address, timeout=boot_timeout_s)
                     except EnvdUnavailable as exc:
                         if attempt == BOOT_ATTEMPTS:
-                            raise
+                            raise TemplateBuildError(
+                                f"{exc} (booted {BOOT_ATTEMPTS} times); the guest console ends with: "
+                                f"{_console_tail(workdir / 'console.log')}") from exc
                         log.warning("template %s: boot %d hung (%s); console ends with: %s; booting again",
                                     template_id, attempt, exc, _console_tail(workdir / "console.log"))
                         await m.vm.stop()
                         continue
                     boot_s = time.monotonic() - t_boot
-                    log.info("template %s: envd ready %.1fs after boot; capturing", template_id, boot_s)
+                    log.info("template %s: envd ready %.1fs after boot", template_id, boot_s)
+                    if prepare is not None:
+                        defaults = await prepare(slot.address)
+                        if defaults is not None:
+                            guest = defaults
+                    log.info("template %s: capturing", template_id)
                     t_cap = time.monotonic()
                     capture = await m.vm.capture(snap_dir / "vmstate", snap_dir / "memory",
                                                  kind=CaptureKind.FULL)
@@ -237,8 +274,8 @@ async def build_template(
                 memory_location=str(capture.memory),
                 config=SnapshotConfig(shape=shape, envd_version=envd_version,
                                       rootfs=str(source.rootfs) if source.rootfs is not None else None,
-                                      kit_hash=source.kit_hash, env_vars=dict(source.env_vars),
-                                      default_user=source.default_user, default_workdir=source.default_workdir),
+                                      kit_hash=source.kit_hash, env_vars=guest.env_vars,
+                                      default_user=guest.default_user, default_workdir=guest.default_workdir),
                 memory_mb=mem_mib, committed_at=utcnow(),
             ))
             s.flush()
@@ -270,7 +307,7 @@ async def build_template(
                 await trio.to_thread.run_sync(image.close)
             shutil.rmtree(snap_dir, ignore_errors=True)
             shutil.rmtree(workdir / "upper", ignore_errors=True)  # the console log stays: build.log_path
-            message = f"{type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, (TemplateBuildError, ImageError)) else f"{type(exc).__name__}: {exc}"
 
             def fail(s: Session) -> None:
                 b = s.get(TemplateBuild, build_id)

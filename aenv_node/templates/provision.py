@@ -11,7 +11,8 @@ commands run as ``user`` (home ``/home/user``) or ``root`` through ``/bin/sh``, 
   sudo when the image has ``sudo``;
 - ``/etc/hosts``, ``/etc/resolv.conf`` and ``/etc/hostname`` written by the node (a symlink there, e.g. to
   systemd-resolved's stub, is replaced by a file);
-- the ``/opt/aenv`` mount point.
+- the mount points the guest's init uses (``/dev``, ``/proc``, ``/sys``, ``/run``, ``/tmp``, ``/opt/aenv``),
+  which an image made FROM scratch lacks.
 
 The image's own layers are never touched: the result is a separate layer (cached by the image's top chain
 and :data:`PROVISION_VERSION`). Every change is made with Python on the mounted filesystem, never by running
@@ -32,7 +33,7 @@ from .errors import ImageHasNoShell, TemplateBuildError
 __all__ = ["PROVISION_VERSION", "Provisioned", "provision_root", "resolve_inside"]
 
 #: Part of the provisioning layer's cache key: bump it when what this module writes changes.
-PROVISION_VERSION = 1
+PROVISION_VERSION = 2
 
 USER_NAME = "user"
 PREFERRED_UID = 1000
@@ -40,6 +41,10 @@ HOSTNAME = "sandbox"
 NAMESERVER = "8.8.8.8"
 HOSTS = f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 _MAX_LINKS = 40
+#: Where the guest's init mounts things: an image made FROM scratch may have none of them (a container runtime
+#: makes them; here the guest kernel needs them in the filesystem).
+_MOUNT_POINTS = (("/dev", 0o755), ("/proc", 0o555), ("/sys", 0o555), ("/run", 0o755), ("/tmp", 0o1777),
+                 ("/opt/aenv", 0o755))
 
 
 def resolve_inside(root: Path, path: str, *, follow_last: bool = True) -> Path:
@@ -164,5 +169,9 @@ def provision_root(root: Path) -> Provisioned:
     _write(root, "/etc/hosts", HOSTS)
     _write(root, "/etc/hostname", HOSTNAME + "\n")
     _write(root, "/etc/resolv.conf", f"nameserver {NAMESERVER}\n")
-    resolve_inside(root, "/opt/aenv").mkdir(parents=True, exist_ok=True)
+    for path, mode in _MOUNT_POINTS:
+        target = resolve_inside(root, path)
+        if not target.exists():
+            target.mkdir(parents=True)
+            target.chmod(mode)
     return Provisioned(USER_NAME, uid, gid, created, sudo)

@@ -54,6 +54,9 @@ def test_an_image_without_a_user_gets_one_with_sudo_and_the_nodes_files(tmp_path
     assert not (root / "run" / "systemd" / "stub-resolv.conf").exists()  # replaced, not written through
     assert "127.0.1.1\tsandbox" in (root / "etc" / "hosts").read_text()
     assert (root / "opt" / "aenv").is_dir()
+    for d in ("dev", "proc", "sys", "run"):
+        assert (root / d).is_dir()
+    assert (root / "tmp").stat().st_mode & 0o7777 == 0o1777
 
 
 def test_uid_1000_taken_gives_the_next_free_one_and_no_sudo_without_sudo(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ serializes the model it returns (``context.HandlerResult``) with the route's suc
 from __future__ import annotations
 
 from ..context import Handler
+from . import builds as _builds
 from . import lifecycle as _lifecycle
 from . import node as _node
 from . import sandboxes as _sandboxes
@@ -17,6 +18,7 @@ HANDLERS: dict[str, Handler] = {
     **_node.HANDLERS,
     **_sandboxes.HANDLERS,
     **_templates.HANDLERS,
+    **_builds.HANDLERS,
     **_lifecycle.HANDLERS,
 }
 

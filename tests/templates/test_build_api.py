@@ -1,0 +1,133 @@
+"""The E2B template build API end to end, driven by the unmodified SDK's ``Template`` builder against a real
+node and a real registry: FROM an image, COPY (uploaded through the node's own address), RUN, ENV, WORKDIR,
+a start command and its ready check; then sandboxes of that template have the files, the environment and the
+server already running. And the failures a user meets: each a build error with its reason in the status."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox, Template
+from e2b.exceptions import BuildException, SandboxException
+
+from tests.images.oci.images import Images
+from tests.images.oci.servers import Registry
+from tests.sandbox.conftest import NodeProcess, start_node, stop_node
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
+
+
+def _busybox_image(images: Images, registry: Registry) -> str:
+    """``busy:v1``: busybox with every applet linked in /bin, a root account, and a page to serve."""
+    layout, work = images.layout, images.workdir
+    subprocess.run(["umoci", "new", "--image", f"{layout}:busy"], check=True)
+    bundle = work / "bundle-busy"
+    subprocess.run(["umoci", "unpack", "--image", f"{layout}:busy", str(bundle)], check=True, capture_output=True)
+    root = bundle / "rootfs"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy("/bin/busybox", root / "bin" / "busybox")
+    applets = subprocess.run(["/bin/busybox", "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for name in applets:
+        if name != "busybox":
+            (root / "bin" / name).symlink_to("busybox")
+    (root / "etc").mkdir()
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    (root / "root").mkdir(mode=0o700)
+    subprocess.run(["umoci", "repack", "--refresh-bundle", "--image", f"{layout}:busy", str(bundle)], check=True)
+    subprocess.run(["umoci", "config", "--image", f"{layout}:busy", "--config.env", "PATH=/bin"], check=True)
+    shutil.rmtree(bundle)
+    subprocess.run(["chown", "-R", "65534:65534", str(layout)], check=True)
+    images.skopeo_copy("busy", f"{registry.host}/busy:v1")
+    return f"{registry.host}/busy:v1"
+
+
+@pytest.fixture(scope="module")
+def build_node(registry: Registry) -> Iterator[NodeProcess]:
+    state = Path(tempfile.mkdtemp(prefix="aenv-tbuild-", dir="/var/tmp"))
+    node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=registry.host, AENV_TEMPLATES_READY_TIMEOUT_S="20",
+                      AENV_TEMPLATES_BOOT_TIMEOUT_S="90")
+    try:
+        yield node
+    finally:
+        stop_node(node.proc)
+        try:
+            shutil.copy(node.log_path, Path("/var/tmp") / "aenv-tbuild-last-node.log")
+        except OSError:
+            pass
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def sdk(build_node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> NodeProcess:
+    for k, v in build_node.sdk_env().items():
+        monkeypatch.setenv(k, v)
+    return build_node
+
+
+def test_sdk_template_build_from_an_image_then_sandboxes_of_it(sdk: NodeProcess, images: Images,
+                                                                 registry: Registry, tmp_path: Path) -> None:
+    image = _busybox_image(images, registry)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("<h1>from a template</h1>\n")
+    template = (
+        Template(file_context_path=str(tmp_path)).from_image(image)
+        .copy("site/", "/srv/www/")
+        .run_cmd("echo built > /srv/www/built.txt && id -un > /srv/whoami")
+        .set_envs({"GREETING": "hello from ENV"})
+        .set_workdir("/srv/www")
+        .set_start_cmd("httpd -f -p 8080 -h /srv/www", "wget -q -O /dev/null http://127.0.0.1:8080/index.html")
+    )
+    logs: list[str] = []
+    info = Template.build(template, "busy-app", on_build_logs=lambda e: logs.append(e.message))
+    text = "\n".join(logs)
+    for expected in ("pulling", "layer 1/1", "provisioning: user user", "step 1/4 COPY site/ /srv/www/",
+                     "step 2/4 RUN echo built", "start command: httpd", "ready after", "snapshotting"):
+        assert expected in text, text
+    assert Template.exists("busy-app")
+
+    sb = Sandbox.create("busy-app")
+    try:
+        assert sb.commands.run("cat /srv/www/built.txt /srv/whoami").stdout == "built\nroot\n"
+        assert sb.commands.run("echo $GREETING; pwd").stdout == "hello from ENV\n/srv/www\n"
+        assert sb.files.read("/srv/www/index.html") == "<h1>from a template</h1>\n"
+        # the server was started at build time and is in the snapshot: it answers at once, through the proxy
+        r = httpx.get(sdk.url + "/index.html", headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080"},
+                      timeout=30)
+        assert r.status_code == 200 and r.text == "<h1>from a template</h1>\n"
+        assert sb.commands.run("id -un").stdout.strip() == "user"  # a sandbox's default user, as E2B's
+    finally:
+        sb.kill()
+
+    [(status, source, digest)] = sdk.sql(
+        f"SELECT status, source, source_digest FROM template_builds WHERE id = '{info.build_id}'")
+    assert status == "ready" and source == image and digest.startswith("sha256:")
+
+
+@pytest.mark.parametrize("case", ["unknown image", "failing RUN", "never ready"])
+def test_build_failures_are_errors_with_the_reason(sdk: NodeProcess, images: Images, registry: Registry,
+                                                   case: str) -> None:
+    base = Template().from_image(f"{registry.host}/busy:v1")
+    if case == "unknown image":
+        t, reason = Template().from_image(f"{registry.host}/nope:v1"), "not found"
+    elif case == "failing RUN":
+        t, reason = base.run_cmd("echo about to fail; exit 3"), "exit status 3: about to fail"
+    else:
+        t, reason = base.set_start_cmd("sleep 1000", "false"), "ready command never succeeded within 20s"
+    with pytest.raises(BuildException, match=reason):
+        Template.build(t, f"broken-{case.replace(' ', '-').lower()}")
+    rows = sdk.sql(f"SELECT b.status, b.error FROM template_builds b JOIN templates t ON t.id = b.template_id "
+                   f"WHERE t.alias = 'broken-{case.replace(' ', '-').lower()}'")
+    assert rows and rows[-1][0] == "error" and reason in rows[-1][1]
+    # no VM of the build is left
+    out = subprocess.run(["pgrep", "-f", "aenv-build-tpl_"], capture_output=True, text=True).stdout
+    assert not out.strip(), out
+    with pytest.raises(SandboxException, match="not ready|not found"):
+        Sandbox.create(f"broken-{case.replace(' ', '-').lower()}")
