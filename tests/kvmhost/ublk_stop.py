@@ -12,8 +12,8 @@ import re
 import sqlite3
 import sys
 
-from aenv_node.storage.frontends.io_uring import OP_URING_CMD, Ring
-from aenv_node.storage.frontends.ublk import _CTRL_CMD, CONTROL_PATH, U_CMD_STOP_DEV
+from aenv_node.storage.frontends.errors import UblkError
+from aenv_node.storage.frontends.ublk import stop_device
 
 
 def ublk_of(pid: int) -> int:
@@ -31,17 +31,10 @@ def main() -> None:
     con = sqlite3.connect("file:/var/lib/aenv/aenv.db?mode=ro", uri=True)
     (pid,), = con.execute("SELECT vmm_pid FROM sandboxes WHERE id = ?", (sys.argv[1],)).fetchall()
     dev_id = ublk_of(pid)
-    fd = os.open(CONTROL_PATH, os.O_RDWR)
-    ring = Ring(4, sqe128=True)
     try:
-        ring.prep(OP_URING_CMD, fd, off=U_CMD_STOP_DEV, user_data=1, cmd=_CTRL_CMD.pack(dev_id, 0xFFFF, 0, 0, 0, 0))
-        ring.submit(wait=1)
-        (_ud, res, _flags), = ring.completions()
-    finally:
-        ring.close()
-        os.close(fd)
-    if res != 0:
-        raise SystemExit(f"STOP_DEV of ublk device {dev_id} failed: {os.strerror(-res)}")
+        stop_device(dev_id)
+    except UblkError as exc:
+        raise SystemExit(f"STOP_DEV of ublk device {dev_id} failed: {exc}") from None
     print(f"STOPPED {dev_id}", flush=True)
 
 

@@ -47,7 +47,7 @@ from ._nursery import open_service_nursery
 from .errors import UblkError, UblkUnavailable
 from .io_uring import OP_URING_CMD, Ring
 
-__all__ = ["UblkServer", "serve_ublk", "CONTROL_PATH"]
+__all__ = ["UblkServer", "serve_ublk", "stop_device", "CONTROL_PATH"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,53 @@ def _wait_for(path: str, timeout: float) -> None:
         time.sleep(0.005)
 
 
+def _open_control(control_path: str) -> int:
+    try:
+        return os.open(control_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise UblkUnavailable(f"{control_path} does not exist: the kernel has no ublk_drv "
+                              "(CONFIG_BLK_DEV_UBLK) or the module is not loaded") from exc
+
+
+def _control_command(ring: Ring, ctrl_fd: int, cmd_op: int, dev_id: int, *, buf: bytearray | None = None,
+                     data0: int = 0) -> int:
+    """One control command for ``dev_id`` through ``ring`` (SQE128) on the open ``/dev/ublk-control`` ``ctrl_fd``;
+    its result, or ``UblkError``. The caller keeps it to one command in flight on ``ring``."""
+    addr = _addr(buf) if buf is not None else 0
+    length = len(buf) if buf is not None else 0
+    cmd = _CTRL_CMD.pack(dev_id & 0xFFFFFFFF, 0xFFFF, length, addr, data0, 0)
+    ring.prep(OP_URING_CMD, ctrl_fd, off=cmd_op, user_data=cmd_op, cmd=cmd)
+    while True:  # submit (once), then wait; an interrupted wait just waits again
+        ring.submit(wait=1)
+        done = ring.completions()
+        if done:
+            (_ud, res, _flags), = done  # one command in flight at a time
+            if res < 0:
+                raise UblkError(f"ublk control command {cmd_op & 0xFF:#x} failed: {os.strerror(-res)}", res)
+            return res
+
+
+def stop_device(dev_id: int, control_path: str = CONTROL_PATH) -> None:
+    """STOP_DEV for the ublk device ``dev_id`` from outside its server, through a control ring of this call's own
+    (blocking; root needed).
+
+    Why from outside: a crash-safety reconcile will reap the ublk devices a crashed node left behind (their server
+    is gone, nobody else will end them), and tests use it to simulate the kernel ending a device under a live
+    server (that server's ``serve_ublk`` then ends with ``UblkError``, see ``UblkServer.serve_queue``).
+    Raises ``UblkUnavailable`` where the kernel has no ublk, ``UblkError`` when the kernel refuses (no such
+    device: ENODEV).
+    """
+    fd = _open_control(control_path)
+    try:
+        ring = Ring(4, sqe128=True)
+        try:
+            _control_command(ring, fd, U_CMD_STOP_DEV, dev_id)
+        finally:
+            ring.close()
+    finally:
+        os.close(fd)
+
+
 class UblkServer:
     """One ublk device serving one ``BlockDevice``; use ``serve_ublk``."""
 
@@ -168,28 +215,13 @@ class UblkServer:
     # --- control (blocking) ------------------------------------------------------------------------------
     def _control(self, cmd_op: int, *, buf: bytearray | None = None, data0: int = 0, dev_id: int | None = None) -> int:
         assert self._ctrl is not None
-        with self._ctrl_lock:
-            addr = _addr(buf) if buf is not None else 0
-            length = len(buf) if buf is not None else 0
-            did = self.dev_id if dev_id is None else dev_id
-            cmd = _CTRL_CMD.pack(did & 0xFFFFFFFF, 0xFFFF, length, addr, data0, 0)
-            self._ctrl.prep(OP_URING_CMD, self._ctrl_fd, off=cmd_op, user_data=cmd_op, cmd=cmd)
-            while True:  # submit (once), then wait; an interrupted wait just waits again
-                self._ctrl.submit(wait=1)
-                done = self._ctrl.completions()
-                if done:
-                    (_ud, res, _flags), = done  # one command in flight at a time (under _ctrl_lock)
-                    if res < 0:
-                        raise UblkError(f"ublk control command {cmd_op & 0xFF:#x} failed: {os.strerror(-res)}", res)
-                    return res
+        with self._ctrl_lock:  # one command in flight at a time on the server's control ring
+            return _control_command(self._ctrl, self._ctrl_fd, cmd_op, self.dev_id if dev_id is None else dev_id,
+                                    buf=buf, data0=data0)
 
     def add(self) -> None:
         """ADD_DEV + SET_PARAMS, open and map the char device (blocking)."""
-        try:
-            self._ctrl_fd = os.open(self.control_path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise UblkUnavailable(f"{self.control_path} does not exist: the kernel has no ublk_drv "
-                                  "(CONFIG_BLK_DEV_UBLK) or the module is not loaded") from exc
+        self._ctrl_fd = _open_control(self.control_path)
         self._ctrl = Ring(4, sqe128=True)
         info = bytearray(_DEV_INFO.pack(self.queues, self.queue_depth, 0, 0, self.max_io_bytes, 0xFFFFFFFF, os.getpid(), 0,
                                         F_CMD_IOCTL_ENCODE, 0, 0, 0, 0))

@@ -19,7 +19,7 @@ import trio
 
 from aenv_node.storage import FlatFileDevice
 from aenv_node.storage.frontends import UblkUnavailable, mount_fuse, serve_nbd
-from aenv_node.storage.frontends.ublk import serve_ublk
+from aenv_node.storage.frontends.ublk import serve_ublk, stop_device
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -45,6 +45,8 @@ async def test_ublk_unavailable_on_this_host(tmp_path) -> None:  # type: ignore[
                 pass
     finally:
         dev.close()
+    with pytest.raises(UblkUnavailable):  # nor a device to stop from outside
+        stop_device(0, control_path=str(tmp_path / "no-ublk-control"))
 
 
 def _ublk_kernel_package() -> str:
