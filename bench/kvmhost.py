@@ -72,24 +72,18 @@ def node_ops(host: vm.KvmHost, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def _sql(host: vm.KvmHost, query: str) -> list[dict[str, Any]]:
-    out = host.sh(f'sqlite3 -json /var/lib/aenv/aenv.db "{query}"')
-    start = out.find("[")
-    return list(json.loads(out[start:out.rindex("]") + 1])) if start >= 0 else []
-
-
 def node_steps(host: vm.KvmHost) -> dict[str, float]:
     """Where the node's time went, from its own events (the VM's SQLite), medians in seconds: the restore step
     of creates, resumes and forks (``restore_ms``: disk, slot, VMM restore, before envd ``/init``), and the
     steps of each capture kind's commit (guest paused, capture, memory layer, flat memory image)."""
     by: dict[str, list[float]] = {}
-    for r in _sql(host, "SELECT operation, json_extract(detail, '$.restore_ms') AS ms FROM events "
-                        "WHERE to_state = 'running' AND json_extract(detail, '$.restore_ms') IS NOT NULL"):
+    for r in host.sql("SELECT operation, json_extract(detail, '$.restore_ms') AS ms FROM events "
+                      "WHERE to_state = 'running' AND json_extract(detail, '$.restore_ms') IS NOT NULL"):
         by.setdefault(f"restore_step_{r['operation']}", []).append(float(r["ms"]) / 1000)
     steps = ("paused_ms", "capture_ms", "memory_layer_ms", "flat_image_ms")
     cols = ", ".join(f"json_extract(detail, '$.{k}') AS {k}" for k in steps)
-    for r in _sql(host, f"SELECT json_extract(detail, '$.kind') AS kind, {cols} FROM events "
-                        "WHERE operation = 'snapshot_commit' AND to_state = 'committed'"):
+    for r in host.sql(f"SELECT json_extract(detail, '$.kind') AS kind, {cols} FROM events "
+                      "WHERE operation = 'snapshot_commit' AND to_state = 'committed'"):
         for k in steps:
             if r.get(k) is not None:
                 by.setdefault(f"{r['kind']}_{k[:-3]}", []).append(float(r[k]) / 1000)

@@ -3,7 +3,6 @@ by the unmodified E2B SDK from this machine. One VM for the whole module (it tak
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 
@@ -52,22 +51,16 @@ def test_ttl_pause_then_auto_resume(host: vm.KvmHost) -> None:
     flows.ttl_pauses_and_traffic_resumes()
 
 
-def _sql(host: vm.KvmHost, query: str) -> list[dict]:
-    out = host.sh(f'sqlite3 -json /var/lib/aenv/aenv.db "{query}"')
-    start = out.find("[")
-    return json.loads(out[start:out.rindex("]") + 1]) if start >= 0 else []
-
-
 def test_a_dead_ublk_disk_takes_down_only_its_sandbox(host: vm.KvmHost) -> None:
     """Sandbox A's ublk device is stopped from outside the node: A ends in error with the reason recorded and
     logged, its Firecracker is gone; sandbox B, served by the same node, goes on working."""
     a, b = Sandbox.create(), Sandbox.create()
     try:
-        (pid_a,) = [r["vmm_pid"] for r in _sql(host, f"SELECT vmm_pid FROM sandboxes WHERE id = '{a.sandbox_id}'")]
+        (pid_a,) = [r["vmm_pid"] for r in host.sql(f"SELECT vmm_pid FROM sandboxes WHERE id = '{a.sandbox_id}'")]
         out = host.sh(f"/opt/aenv-node/venv/bin/python /opt/aenv-node/src/ublk_stop.py {a.sandbox_id} 2>&1")
         assert "STOPPED" in out, out
         deadline = time.monotonic() + 60
-        while (row := _sql(host, f"SELECT state, error FROM sandboxes WHERE id = '{a.sandbox_id}'")[0])["state"] \
+        while (row := host.sql(f"SELECT state, error FROM sandboxes WHERE id = '{a.sandbox_id}'")[0])["state"] \
                 != "error":
             assert time.monotonic() < deadline, f"sandbox A did not end: {row}"
             time.sleep(1)
@@ -78,7 +71,7 @@ def test_a_dead_ublk_disk_takes_down_only_its_sandbox(host: vm.KvmHost) -> None:
         assert b.commands.run("echo alive").stdout == "alive\n"
         b.files.write("/home/user/after.txt", "still writing")
         assert b.files.read("/home/user/after.txt") == "still writing"
-        assert _sql(host, f"SELECT state FROM sandboxes WHERE id = '{b.sandbox_id}'") == [{"state": "running"}]
+        assert host.sql(f"SELECT state FROM sandboxes WHERE id = '{b.sandbox_id}'") == [{"state": "running"}]
     finally:
         b.kill()
         Sandbox.kill(a.sandbox_id)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -72,6 +73,12 @@ class KvmHost:
                     raise
                 time.sleep(0.5)
         raise AssertionError("unreachable")
+
+    def sql(self, query: str) -> list[dict[str, Any]]:
+        """The rows of ``query`` (no double quotes in it) against the node's SQLite inside, through ``sh``."""
+        out = self.sh(f'sqlite3 -json /var/lib/aenv/aenv.db "{query}"')
+        start = out.find("[")  # sqlite3 prints nothing for no rows
+        return list(json.loads(out[start:out.rindex("]") + 1])) if start >= 0 else []
 
     @classmethod
     def load(cls, run_dir: Path) -> KvmHost | None:
