@@ -32,6 +32,7 @@ import httpx
 
 from aenv_node.images import KitSpec, ensure_base_rootfs, ensure_kit
 
+from ..conftest import free_port
 from . import image as kvmimage
 
 Progress = Callable[[str], None]
@@ -112,12 +113,6 @@ class KvmHost:
     def node_log(self) -> str:
         """The VM's console: boot messages, then the node's log lines (prefixed ``node: ``)."""
         return Path(self.console).read_text(errors="replace") if Path(self.console).exists() else ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -222,8 +217,8 @@ def up(run_dir: Path = DEFAULT_RUN_DIR, *, cache_dir: Path = DEFAULT_CACHE, mem_
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(root_image), str(overlay)],
                    check=True)
     say(f"drives ready in {time.monotonic() - t0:.1f} s")
-    port = port or _free_port()
-    shell_port = _free_port() if shell else 0
+    port = port or free_port()
+    shell_port = free_port() if shell else 0
     fwd = f"hostfwd=tcp:127.0.0.1:{port}-{GUEST_IP}:{NODE_PORT}"
     if shell:
         fwd += f",hostfwd=tcp:127.0.0.1:{shell_port}-{GUEST_IP}:2222"
