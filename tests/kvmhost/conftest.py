@@ -1,4 +1,6 @@
-"""The ``kvmhost`` fixtures: a KVM host VM (vm.py) brought up once per module, its node ready to serve."""
+"""The ``kvmhost`` fixtures: a KVM host VM (vm.py) brought up once per module, its node ready to serve.
+
+A test module sets ``KVMHOST_VMM`` (the node's ``vmm.kind`` inside) and asks for ``host``."""
 
 from __future__ import annotations
 
@@ -61,13 +63,19 @@ def bring_up(vmm_kind: str) -> Iterator[vm.KvmHost]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def kvm_host(request: pytest.FixtureRequest) -> Iterator[vm.KvmHost]:
+    """One KVM host VM for the whole test module, its node's ``vmm.kind`` the module's ``KVMHOST_VMM``."""
+    vmm_kind = getattr(request.module, "KVMHOST_VMM", None)
+    if vmm_kind is None:
+        raise AssertionError(f"{request.module.__name__} uses the kvm_host fixture but sets no KVMHOST_VMM")
+    yield from bring_up(vmm_kind)
+
+
 @pytest.fixture
-def use_host(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """Point the unmodified E2B SDK at a KVM host's node, the way a user would (environment variables)."""
-
-    def point(host: vm.KvmHost) -> vm.KvmHost:
-        for k, v in host.env().items():
-            monkeypatch.setenv(k, v)
-        return host
-
-    return point
+def host(kvm_host: vm.KvmHost, monkeypatch: pytest.MonkeyPatch) -> vm.KvmHost:
+    """The module's KVM host, the unmodified E2B SDK pointed at its node the way a user would (environment
+    variables)."""
+    for k, v in kvm_host.env().items():
+        monkeypatch.setenv(k, v)
+    return kvm_host

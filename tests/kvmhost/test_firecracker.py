@@ -4,25 +4,14 @@ by the unmodified E2B SDK from this machine. One VM for the whole module (it tak
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from e2b import Sandbox
 
 from . import flows, vm
-from .conftest import bring_up
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def fc_host() -> Iterator[vm.KvmHost]:
-    yield from bring_up("auto")  # auto must pick Firecracker on a KVM host
-
-
-@pytest.fixture
-def host(fc_host: vm.KvmHost, use_host) -> vm.KvmHost:  # type: ignore[no-untyped-def]
-    return use_host(fc_host)
+KVMHOST_VMM = "auto"  # auto must pick Firecracker on a KVM host
 
 
 def test_auto_picks_firecracker_with_kvm_and_ublk_disks(host: vm.KvmHost) -> None:

@@ -3,25 +3,13 @@ E2B SDK flows. The same node code as under TCG; only the accelerator differs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from e2b import Sandbox
 
 from . import flows, vm
-from .conftest import bring_up
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def qemu_host() -> Iterator[vm.KvmHost]:
-    yield from bring_up("qemu")
-
-
-@pytest.fixture
-def host(qemu_host: vm.KvmHost, use_host) -> vm.KvmHost:  # type: ignore[no-untyped-def]
-    return use_host(qemu_host)
+KVMHOST_VMM = "qemu"  # vm.up passes it as the node's vmm.kind (auto would pick Firecracker)
 
 
 def test_qemu_runs_with_kvm_host_cpu_and_nbd_disks(host: vm.KvmHost) -> None:
