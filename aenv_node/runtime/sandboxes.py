@@ -155,10 +155,8 @@ class SandboxService:
     async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
         """The live sandbox for proxied traffic; a paused one with autoResume is resumed first, and one being
         paused is waited for (then resumed, with autoResume) instead of being sent traffic it cannot answer."""
+        await self.ops.wait_out_pause(sandbox_id)  # returns at once (no checkpoint) when no pause is in progress
         handle = self.registry.get(sandbox_id)
-        if handle is not None and handle.pausing:
-            await self.ops.wait_out_pause(sandbox_id)
-            handle = self.registry.get(sandbox_id)
         if handle is not None:
             return handle
 
