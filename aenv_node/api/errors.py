@@ -29,6 +29,7 @@ from ..runtime.errors import (
     SandboxConflict,
     SandboxNotRunning,
     SnapshotNotFound,
+    TemplateBuildFailed,
     TemplateNotFound,
     TemplateNotReady,
     TemplateRequestError,
@@ -66,6 +67,7 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     # runtime
     TemplateNotFound: 404,
     TemplateRequestError: 400,
+    TemplateBuildFailed: 400,
     SnapshotNotFound: 404,
     SandboxNotRunning: 404,
     SandboxConflict: 409,

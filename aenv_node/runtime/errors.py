@@ -21,6 +21,7 @@ __all__ = [
     "ForkLimit",
     "PoolInUse",
     "TemplateRequestError",
+    "TemplateBuildFailed",
 ]
 
 
@@ -57,3 +58,7 @@ class PoolInUse(RuntimeLayerError):
 
 class TemplateRequestError(RuntimeLayerError):
     """A template build request the node cannot take (a bad name, a build started twice)."""
+
+
+class TemplateBuildFailed(RuntimeLayerError):
+    """A sandbox asked for a template whose builds all failed (nothing to retry until a build succeeds)."""

@@ -34,7 +34,7 @@ from ..templates import (
     build_recipe,
     ensure_base_template,
 )
-from .errors import NodeNotReady, TemplateNotFound, TemplateNotReady, TemplateRequestError
+from .errors import NodeNotReady, TemplateBuildFailed, TemplateNotFound, TemplateNotReady, TemplateRequestError
 from .parts import NodeParts
 
 __all__ = ["BuildRequest", "BuildStatusView", "TemplateService", "envd_version"]
@@ -68,6 +68,12 @@ def _fail_build(s: Session, build_id: str, message: str) -> None:
         t.status = BuildStatus.ERROR
     record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=b.template_id,
                  to_state=BuildStatus.ERROR, error=message, detail={"build_id": build_id})
+
+
+def _last_build_error(s: Session, template_id: str) -> str:
+    b = s.scalars(select(TemplateBuild).where(TemplateBuild.template_id == template_id)
+                  .order_by(TemplateBuild.started_at.desc())).first()
+    return (b.error or "no reason recorded") if b is not None else "no build recorded"
 
 
 def _fail_interrupted_builds(s: Session) -> None:
@@ -286,6 +292,9 @@ class TemplateService:
         if found is None:
             raise TemplateNotFound(f"template {name!r} not found")
         t, sn = found
+        if sn is None and t.status == BuildStatus.ERROR and name not in self._errors:
+            last = await self.parts.db.run(_last_build_error, t.id)
+            raise TemplateBuildFailed(f"template {name!r} has no successful build (the last one failed: {last})")
         if sn is None or t.status != BuildStatus.READY or sn.status != SnapshotStatus.COMMITTED:
             err = self._errors.get(name)
             raise TemplateNotReady(f"template {name!r} is not ready ({err or t.status}); retry shortly")

@@ -119,7 +119,9 @@ class GuestDefaults:
     default_workdir: str | None = None
 
 
-Prepare = Callable[[str], Awaitable[GuestDefaults | None]]
+#: ``prepare(host, seal)``: ``seal()`` turns what the guest wrote to its disk so far into a layer of its own
+#: (the guest must have synced), so a recipe can cache each step's result.
+Prepare = Callable[[str, Callable[[], Awaitable[LayerInfo]]], Awaitable[GuestDefaults | None]]
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ async def build_template(
     prepare: Prepare | None = None,
 ) -> BuildResult:
     """Build ``template_id`` from ``source`` (see the module docstring). ``build_id``: a build row made earlier
-    (the API registers builds before they run), else a new one. ``prepare(host)`` runs once envd answers in the
+    (the API registers builds before they run), else a new one. ``prepare(host, seal)`` runs once envd answers in the
     build VM, before the capture (a recipe's steps, start command and ready check); it may return the
     environment, default user and workdir the template gets instead of the source's."""
     started = time.monotonic()
@@ -193,6 +195,7 @@ async def build_template(
     snap_dir.mkdir(parents=True, exist_ok=True)
     image: Image | None = None
     guest = GuestDefaults(dict(source.env_vars), source.default_user, source.default_workdir)
+    step_layers: list[LayerInfo] = []  # sealed by prepare() (a recipe's steps, each cached as a layer)
     boot_s: float | None = None
     capture: CaptureResult | None = None
     try:
@@ -233,7 +236,14 @@ async def build_template(
                     boot_s = time.monotonic() - t_boot
                     log.info("template %s: envd ready %.1fs after boot", template_id, boot_s)
                     if prepare is not None:
-                        defaults = await prepare(slot.address)
+                        running = image
+
+                        async def seal_now() -> LayerInfo:
+                            info = await trio.to_thread.run_sync(running.seal, layers_dir)
+                            step_layers.append(info)
+                            return info
+
+                        defaults = await prepare(slot.address, seal_now)
                         if defaults is not None:
                             guest = defaults
                     log.info("template %s: capturing", template_id)
@@ -257,12 +267,12 @@ async def build_template(
         image = None
 
         refs = [LayerRef.local(str(p), "sha256:" + p.name.removesuffix(".layer")) for p in stack]
-        refs.append(LayerRef.local(sealed.path, layer_digest(sealed)))
+        refs += [LayerRef.local(info.path, layer_digest(info)) for info in (*step_layers, sealed)]
 
         def commit(s: Session) -> None:
             if base is not None:
                 reference_layer(s, base, LayerKind.DISK)
-            else:  # converted layers: their rows exist (the converter wrote them)
+            else:  # converted and step layers: their rows exist (the converter and the step cache wrote them)
                 for ref in refs[:-1]:
                     row = s.get(Layer, ref.digest)
                     if row is not None:

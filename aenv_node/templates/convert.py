@@ -90,7 +90,7 @@ class ImageConverter:
         self._locks: dict[str, trio.Lock] = {}
 
     # -- the cache --------------------------------------------------------------------------------------------
-    async def _cached(self, chain: str) -> tuple[Path, int] | None:
+    async def cached(self, chain: str) -> tuple[Path, int] | None:
         """The layer file and virtual size of ``chain`` when converted and still on disk."""
 
         def q(s: Session) -> tuple[str | None, int] | None:
@@ -105,7 +105,7 @@ class ImageConverter:
             return None
         return Path(found[0]), found[1]
 
-    async def _record(self, chain: str, parent: str | None, diff_id: str, info: LayerInfo, source: str,
+    async def record(self, chain: str, parent: str | None, diff_id: str, info: LayerInfo, source: str,
                       convert_ms: float, detail: dict[str, object]) -> None:
         digest = f"sha256:{info.digest}"
 
@@ -125,7 +125,7 @@ class ImageConverter:
     async def _empty_fs(self, say: Progress) -> tuple[str, Path, int]:
         chain = chain_id(None, EMPTY_FS_KEY)
         async with self._lock(chain):
-            hit = await self._cached(chain)
+            hit = await self.cached(chain)
             if hit is not None:
                 return chain, hit[0], hit[1]
             t0 = time.monotonic()
@@ -139,7 +139,7 @@ class ImageConverter:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             ms = (time.monotonic() - t0) * 1000
-            await self._record(chain, None, EMPTY_FS_KEY, info, "", ms, {})
+            await self.record(chain, None, EMPTY_FS_KEY, info, "", ms, {})
             say(f"empty ext4 ({_mib(EMPTY_FS_BYTES)}) made in {ms / 1000:.1f}s")
             return chain, Path(info.path), info.virtual_size
 
@@ -150,7 +150,7 @@ class ImageConverter:
                              index: str, say: Progress) -> tuple[str, Path, int, bool]:
         chain = chain_id(parent, layer.diff_id)
         async with self._lock(chain):
-            hit = await self._cached(chain)
+            hit = await self.cached(chain)
             if hit is not None:
                 say(f"layer {index} {layer.digest[:19]}… ({_mib(layer.size)}): already converted")
                 return chain, hit[0], hit[1], False
@@ -164,7 +164,7 @@ class ImageConverter:
                 fs.commit()
             assert fs.sealed is not None
             ms = (time.monotonic() - t0) * 1000
-            await self._record(chain, parent, layer.diff_id, fs.sealed, source, ms,
+            await self.record(chain, parent, layer.diff_id, fs.sealed, source, ms,
                                {"oci_layer": layer.digest, "media_type": layer.media_type, "tar": stats})
             say(f"layer {index} {layer.digest[:19]}… ({_mib(layer.size)}): {stats.get('entries', '?')} entries "
                 f"applied in {ms / 1000:.1f}s -> block layer {_mib(fs.sealed.file_size)}")
@@ -175,7 +175,7 @@ class ImageConverter:
         key = f"aenv:provision:v{PROVISION_VERSION}"
         chain = chain_id(parent, key)
         async with self._lock(chain):
-            hit = await self._cached(chain)
+            hit = await self.cached(chain)
             if hit is not None:
                 say("provisioning: already done for this image")
                 return chain, hit[0], hit[1], None
@@ -187,7 +187,7 @@ class ImageConverter:
                 fs.commit()
             assert fs.sealed is not None
             ms = (time.monotonic() - t0) * 1000
-            await self._record(chain, parent, key, fs.sealed, source, ms,
+            await self.record(chain, parent, key, fs.sealed, source, ms,
                                {"user": done.user, "uid": done.uid, "created_user": done.created_user,
                                 "sudo": done.sudo})
             say(f"provisioning: user {done.user} (uid {done.uid}{', created' if done.created_user else ''}"

@@ -15,6 +15,7 @@ template: the node reaches no registry on the internet, and that is what E2B's b
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +30,16 @@ from ..images.oci import pull
 from ..net import SlotPool
 from ..snapshot.layers import stack_of
 from ..state import BuildStatus, Database, LayerKind, Snapshot, Template
+from ..storage import LayerInfo
 from ..storage.frontends import DiskFrontend
 from ..vmm import Accel, VmmDriver
 from .base import kernel_of
 from .build import BuildResult, GuestDefaults, TemplateSource, build_template
 from .convert import ImageConverter
 from .errors import TemplateBuildError
-from .recipe import BuildLog, Recipe
-from .steps import StepState, run_recipe
+from .recipe import BuildLog, Recipe, Step
+from .guest_exec import run_in_guest
+from .steps import StepState, run_recipe, step_key
 
 __all__ = ["RecipeInputs", "build_recipe", "E2B_BASE_IMAGES"]
 
@@ -90,6 +93,7 @@ class _Start:
     digest: str | None
     defaults: GuestDefaults
     step_user: str  # who RUN steps run as until a USER step
+    key: str  # what the first step's cache key builds on: the source's disk
 
 
 def _template_start(s: Session, name: str) -> _Start | None:
@@ -107,7 +111,7 @@ def _template_start(s: Session, name: str) -> _Start | None:
     cfg = sn.config
     return _Start(tuple(Path(str(r.local_path)) for r in rows), f"template {name}", None,
                   GuestDefaults(dict(cfg.env_vars), cfg.default_user, cfg.default_workdir),
-                  cfg.default_user or "user")
+                  cfg.default_user or "user", f"template-snapshot:{sn.id}")
 
 
 async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, inputs: RecipeInputs, *,
@@ -140,26 +144,55 @@ async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, 
         start = _Start(converted.layers, recipe.from_image, image.digest,
                        GuestDefaults(_env_pairs(cfg.env), None if _is_root(user) else user.split(":", 1)[0],
                                      cfg.working_dir or None),
-                       user.split(":", 1)[0] or "root")
+                       user.split(":", 1)[0] or "root", f"image-chain:{converted.chain[-1]}")
     else:
         raise TemplateBuildError("a build needs fromImage or fromTemplate")
+
+    # The steps' cache: the longest prefix of steps whose layers exist (unless forced from some step on)
+    keys: list[str] = []
+    parent = start.key
+    for step in recipe.steps:
+        parent = step_key(parent, step)
+        keys.append(parent)
+    forced = next((i for i, st in enumerate(recipe.steps) if st.force), len(recipe.steps))
+    if recipe.force:
+        forced = 0
+    cached_layers: list[Path] = []
+    for key in keys[:forced]:
+        hit = await converter.cached(key)
+        if hit is None:
+            break
+        cached_layers.append(hit[0])
+    first = len(cached_layers) + 1
+    if recipe.steps:
+        say(f"{len(cached_layers)} of {len(recipe.steps)} steps cached" + (" (forced rebuild)" if recipe.force else ""))
 
     kit = await trio.to_thread.run_sync(ensure_kit, inputs.images_cache_dir)
     tsc = host_tsc_khz() if inputs.accel is Accel.TCG else None
     source = TemplateSource(kernel=kernel_of(kit, inputs.driver), initrd=kit.initramfs, tools_img=kit.tools_img,
                             cmdline=kernel_cmdline(tsc_khz=tsc), kit_hash=kit.hash,
-                            free_page_reporting=inputs.free_page_reporting, layers=start.layers,
+                            free_page_reporting=inputs.free_page_reporting,
+                            layers=(*start.layers, *cached_layers),
                             description=start.description, source_digest=start.digest,
                             env_vars=tuple(start.defaults.env_vars.items()),
                             default_user=start.defaults.default_user,
                             default_workdir=start.defaults.default_workdir)
 
-    async def prepare(host: str) -> GuestDefaults:
-        say("build VM up: running the steps")
+    async def prepare(host: str, seal: Callable[[], Awaitable[LayerInfo]]) -> GuestDefaults:
+        say("build VM up: running the steps" if first <= len(recipe.steps) else "build VM up")
         state = StepState(user=start.step_user, workdir=start.defaults.default_workdir,
                           env=dict(start.defaults.env_vars))
+
+        async def after_step(i: int, step: Step) -> None:
+            t0 = time.monotonic()
+            await run_in_guest(host, "sync", user="root", timeout_s=120)
+            info = await seal()
+            await converter.record(keys[i - 1], keys[i - 2] if i > 1 else start.key, f"aenv:step:{step.kind}",
+                                   info, start.description, (time.monotonic() - t0) * 1000,
+                                   {"step": i, "args": list(step.args)[:4]})
+
         state = await run_recipe(host, recipe, state, build_log, files_dir=inputs.files_dir,
-                                 ready_timeout_s=inputs.ready_timeout_s)
+                                 ready_timeout_s=inputs.ready_timeout_s, first=first, after_step=after_step)
         say("snapshotting the build VM")
         return GuestDefaults(state.env, state.user if state.user_set else start.defaults.default_user,
                              state.workdir)

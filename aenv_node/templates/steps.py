@@ -18,8 +18,10 @@ Semantics (Dockerfile's, as E2B's builder has them):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +33,14 @@ from .errors import TemplateBuildError
 from .guest_exec import run_in_guest, start_in_guest
 from .recipe import BuildLog, Recipe, Step
 
-__all__ = ["StepFailed", "StepState", "run_recipe"]
+__all__ = ["AfterStep", "StepFailed", "StepState", "replay", "run_recipe", "step_key"]
+
+
+def step_key(parent: str, step: Step) -> str:
+    """The cache key of ``step`` over the disk ``parent`` names: the step and its inputs (a COPY's archive by
+    its hash). ENV and USER change no file but are in the chain: they change what later steps do."""
+    text = json.dumps([parent, step.kind, list(step.args), step.files_hash or ""])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class StepFailed(TemplateBuildError):
@@ -125,30 +134,51 @@ async def _copy(host: str, step: Step, state: StepState, log: BuildLog, label: s
     await _run(host, script, state, log, label, user="root")
 
 
+def replay(step: Step, state: StepState) -> None:
+    """What a step does to the state alone (a cached step's effect on the steps after it)."""
+    if step.kind == "ENV":
+        for k, v in zip(step.args[::2], step.args[1::2], strict=False):
+            state.env[k] = v
+    elif step.kind == "WORKDIR":
+        state.workdir = step.args[0] if step.args[0].startswith("/") else f"{state.workdir or '/'}/{step.args[0]}"
+    elif step.kind == "USER":
+        state.user, state.user_set = step.args[0], True
+
+
+AfterStep = Callable[[int, Step], Awaitable[None]]
+
+
 async def run_recipe(host: str, recipe: Recipe, state: StepState, log: BuildLog, *, files_dir: Path,
-                     ready_timeout_s: float) -> StepState:
-    """Run ``recipe``'s steps, start command and ready check in the VM whose envd is at ``host``."""
+                     ready_timeout_s: float, first: int = 1, after_step: AfterStep | None = None) -> StepState:
+    """Run ``recipe``'s steps from number ``first`` (the ones before are cached: their state is replayed),
+    then its start command and ready check, in the VM whose envd is at ``host``. ``after_step(i, step)`` runs
+    after each step that ran (the recipe build seals and caches its layer there)."""
     n = len(recipe.steps)
     for i, step in enumerate(recipe.steps, 1):
         label = f"step {i}/{n} {step.describe()}"
+        if i < first:
+            replay(step, state)
+            log.add(f"{label}: cached", step=str(i))
+            continue
         log.add(label, step=str(i))
         if step.kind == "RUN":
             await _run(host, step.args[0], state, log, label, user=step.args[1] if len(step.args) > 1 else None)
         elif step.kind == "ENV":
-            for k, v in zip(step.args[::2], step.args[1::2], strict=False):
-                state.env[k] = v
+            replay(step, state)
         elif step.kind == "WORKDIR":
-            path = step.args[0] if step.args[0].startswith("/") else f"{state.workdir or '/'}/{step.args[0]}"
+            replay(step, state)
+            path = state.workdir or "/"
             await _run(host, f"mkdir -p {shlex.quote(path)} && chown {shlex.quote(state.user)}: {shlex.quote(path)}",
                        state, log, label, user="root")
-            state.workdir = path
         elif step.kind == "USER":
             await _run(host, f"id -u {shlex.quote(step.args[0])} >/dev/null", state, log, label, user="root")
-            state.user, state.user_set = step.args[0], True
+            replay(step, state)
         elif step.kind == "COPY":
             await _copy(host, step, state, log, label, files_dir)
         else:
             raise StepFailed(f"{label}: unknown step type {step.kind}", label)
+        if after_step is not None:
+            await after_step(i, step)
     if recipe.start_cmd:
         log.add(f"start command: {recipe.start_cmd}", step="start")
         pid = await start_in_guest(host, recipe.start_cmd, user=state.user, envs=state.env, cwd=state.workdir)

@@ -49,6 +49,11 @@ def _busybox_image(images: Images, registry: Registry) -> str:
 
 
 @pytest.fixture(scope="module")
+def busy_image(images: Images, registry: Registry) -> str:
+    return _busybox_image(images, registry)
+
+
+@pytest.fixture(scope="module")
 def build_node(registry: Registry) -> Iterator[NodeProcess]:
     state = Path(tempfile.mkdtemp(prefix="aenv-tbuild-", dir="/var/tmp"))
     node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=registry.host, AENV_TEMPLATES_READY_TIMEOUT_S="20",
@@ -71,9 +76,9 @@ def sdk(build_node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> NodeProcess
     return build_node
 
 
-def test_sdk_template_build_from_an_image_then_sandboxes_of_it(sdk: NodeProcess, images: Images,
-                                                                 registry: Registry, tmp_path: Path) -> None:
-    image = _busybox_image(images, registry)
+def test_sdk_template_build_from_an_image_then_sandboxes_of_it(sdk: NodeProcess, busy_image: str,
+                                                                 tmp_path: Path) -> None:
+    image = busy_image
     site = tmp_path / "site"
     site.mkdir()
     (site / "index.html").write_text("<h1>from a template</h1>\n")
@@ -112,9 +117,9 @@ def test_sdk_template_build_from_an_image_then_sandboxes_of_it(sdk: NodeProcess,
 
 
 @pytest.mark.parametrize("case", ["unknown image", "failing RUN", "never ready"])
-def test_build_failures_are_errors_with_the_reason(sdk: NodeProcess, images: Images, registry: Registry,
+def test_build_failures_are_errors_with_the_reason(sdk: NodeProcess, busy_image: str, registry: Registry,
                                                    case: str) -> None:
-    base = Template().from_image(f"{registry.host}/busy:v1")
+    base = Template().from_image(busy_image)
     if case == "unknown image":
         t, reason = Template().from_image(f"{registry.host}/nope:v1"), "not found"
     elif case == "failing RUN":
@@ -129,5 +134,48 @@ def test_build_failures_are_errors_with_the_reason(sdk: NodeProcess, images: Ima
     # no VM of the build is left
     out = subprocess.run(["pgrep", "-f", "aenv-build-tpl_"], capture_output=True, text=True).stdout
     assert not out.strip(), out
-    with pytest.raises(SandboxException, match="not ready|not found"):
+    with pytest.raises(SandboxException, match="400: .* has no successful build"):
         Sandbox.create(f"broken-{case.replace(' ', '-').lower()}")
+
+
+def _stamps(name: str) -> tuple[str, str]:
+    sb = Sandbox.create(name)
+    try:
+        a, b = sb.commands.run("cat /stamp1 /stamp2").stdout.split()
+        return a, b
+    finally:
+        sb.kill()
+
+
+def test_a_rebuild_reuses_each_unchanged_steps_layer(sdk: NodeProcess, busy_image: str) -> None:
+    """Each step is a layer keyed by (its parent, the step, its inputs): the same definition again runs no step,
+    a changed step reruns only from there, and skip_cache reruns everything."""
+    image = busy_image
+    runs = "SELECT chain_id FROM image_layers WHERE diff_id = 'aenv:step:RUN'"
+    before = {r[0] for r in sdk.sql(runs)}
+
+    def recipe(second: str) -> Template:
+        return (Template().from_image(image).run_cmd("cat /proc/sys/kernel/random/uuid > /stamp1")
+                .run_cmd(f"cat /proc/sys/kernel/random/uuid > /stamp2 # {second}"))
+
+    def build(t: Template, **kw: object) -> str:
+        logs: list[str] = []
+        Template.build(t, "cached-app", on_build_logs=lambda e: logs.append(e.message), **kw)  # type: ignore[arg-type]
+        return "\n".join(logs)
+
+    build(recipe("v1"))
+    first = _stamps("cached-app")
+    log = build(recipe("v1"))
+    assert "2 of 2 steps cached" in log and "step 2/2 RUN cat /proc/sys/kernel/random/uuid > /stamp2 # v1: cached" in log
+    assert _stamps("cached-app") == first
+    log = build(recipe("v2"))
+    assert "1 of 2 steps cached" in log
+    second = _stamps("cached-app")
+    assert second[0] == first[0] and second[1] != first[1]
+    log = build(recipe("v2"), skip_cache=True)
+    assert "0 of 2 steps cached (forced rebuild)" in log
+    third = _stamps("cached-app")
+    assert third[0] != first[0] and third[1] != second[1]
+    # the layers of every step ever built stay cached (image_layers names them), keyed by their chain
+    rows = {r[0] for r in sdk.sql(runs)} - before
+    assert len(rows) == 3, rows  # step 1, step 2 "v1", step 2 "v2" (the forced build replaced its chains' layers)
