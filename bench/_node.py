@@ -184,6 +184,7 @@ def run_node(
         "AENV_STATE_DIR": str(state),
         "AENV_IMAGES_CACHE_DIR": image_cache,
         "AENV_NET_EGRESS": "false",
+        "AENV_TEMPLATES_CODE_INTERPRETER": "false",  # benches that want it say so in extra_env
         **(extra_env or {}),
     }
     proc: subprocess.Popen[bytes] | None = None

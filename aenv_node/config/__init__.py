@@ -127,6 +127,7 @@ class TemplatesSection:
     boot_timeout_s: float = 180.0
     ready_timeout_s: float = 300.0
     max_concurrent_builds: int = 2
+    code_interpreter: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The ``base`` template root filesystem: Debian bookworm (debootstrap minbase) in an ext4 image.
+"""The ``base`` template root filesystem: Debian bookworm (debootstrap minbase, then E2B's base set of packages:
+python3 with pip and venv, git, curl, wget, Node.js with npm, build tools) in an ext4 image.
 
 It is what a sandbox boots when no image is given, and the shape every template rootfs shares: a user
 ``user`` (uid 1000, home ``/home/user``, bash, passwordless sudo, as E2B sandboxes have) and an empty
@@ -45,11 +46,16 @@ class RootfsSpec:
     mirror: str = "http://deb.debian.org/debian"
     variant: str = "minbase"
     include: tuple[str, ...] = ("bash", "coreutils", "procps", "iproute2", "ca-certificates", "sudo")
+    #: installed with apt inside the new root after debootstrap (whose own resolver cannot install npm's
+    #: dependency tree): what E2B's base image gives agent code
+    packages: tuple[str, ...] = ("python3", "python3-pip", "python3-venv", "python3-dev", "build-essential",
+                                 "git", "curl", "wget", "nodejs", "npm", "less", "unzip", "xz-utils",
+                                 "openssh-client", "jq", "vim-tiny")
     user: str = "user"
     uid: int = 1000
     hostname: str = "sandbox"
     nameserver: str = "8.8.8.8"
-    size_mib: int = 2048
+    size_mib: int = 4096
     revision: int = 1  # bump to force a rebuild (e.g. to pick up a Debian point release)
 
 
@@ -85,6 +91,8 @@ def ensure_rootfs(state_dir: Path, spec: RootfsSpec, *, progress: Progress | Non
             t0 = time.monotonic()
             root = tmp / "root"
             _debootstrap(spec, root, tmp, say)
+            if spec.packages:
+                _install_packages(spec, root, say)
             say("configuring users, sudo, hostname")
             _configure(spec, root)
             say(f"mkfs.ext4 ({spec.size_mib} MiB sparse)")
@@ -135,6 +143,55 @@ def _debootstrap(spec: RootfsSpec, root: Path, tmp: Path, say: Progress) -> None
         if (root / "debootstrap" / "debootstrap.log").exists():
             extra = (root / "debootstrap" / "debootstrap.log").read_text()[-1500:]
         raise RootfsBuildError(f"debootstrap failed ({proc.returncode}):\n{tail}\n{extra}")
+
+
+_DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0))
+
+
+def _install_packages(spec: RootfsSpec, root: Path, say: Progress) -> None:
+    """``apt-get install`` of ``spec.packages`` in the new root (a chroot on the host: a VM never reaches the
+    mirror). Its /proc is mounted and its /dev is a tmpfs with the few nodes package scripts use (never the
+    host's /dev bound in: a failed build's staging directory is removed recursively). Services are never
+    started (policy-rc.d)."""
+    import os
+
+    proc_dir, dev_dir = root / "proc", root / "dev"
+    policy = root / "usr" / "sbin" / "policy-rc.d"
+    policy.write_text("#!/bin/sh\nexit 101\n")
+    policy.chmod(0o755)
+    host_resolv = Path("/etc/resolv.conf")
+    if host_resolv.exists():
+        (root / "etc" / "resolv.conf").unlink(missing_ok=True)
+        shutil.copy(host_resolv, root / "etc" / "resolv.conf")
+    mounted: list[Path] = []
+    try:
+        _run(["mount", "-t", "proc", "proc", str(proc_dir)], "mount /proc in the new root")
+        mounted.append(proc_dir)
+        _run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=16m", "tmpfs", str(dev_dir)], "mount /dev tmpfs")
+        mounted.append(dev_dir)
+        for name, major, minor in _DEVICES:
+            os.mknod(dev_dir / name, 0o666 | 0o020000, os.makedev(major, minor))
+        env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+        say("apt-get update (in the new root)")
+        _run_env(["chroot", str(root), "apt-get", "-q", "update"], "apt-get update", env)
+        say(f"apt-get install {' '.join(spec.packages)}")
+        t0 = time.monotonic()
+        _run_env(["chroot", str(root), "apt-get", "-q", "-y", "--no-install-recommends", "install", *spec.packages],
+                 "apt-get install", env)
+        _run_env(["chroot", str(root), "apt-get", "clean"], "apt-get clean", env)
+        say(f"packages installed in {time.monotonic() - t0:.0f} s")
+    finally:
+        for m in reversed(mounted):
+            if subprocess.run(["umount", str(m)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(m)], capture_output=True)
+        policy.unlink(missing_ok=True)
+
+
+def _run_env(cmd: list[str], what: str, env: dict[str, str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if proc.returncode != 0:
+        raise RootfsBuildError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    return proc.stdout
 
 
 def _configure(spec: RootfsSpec, root: Path) -> None:

@@ -24,6 +24,7 @@ from ..images import ImageError
 from ..state import BuildStatus, EventSubject, Snapshot, SnapshotStatus, Template, TemplateBuild, new_id, utcnow
 from ..state.repository import record_event
 from ..templates import (
+    CODE_INTERPRETER,
     BaseTemplateInputs,
     BuildLog,
     ImageConverter,
@@ -32,7 +33,9 @@ from ..templates import (
     RecipeInputs,
     TemplateBuildError,
     build_recipe,
+    code_interpreter_recipe,
     ensure_base_template,
+    prepare_code_interpreter_files,
 )
 from .errors import NodeNotReady, TemplateBuildFailed, TemplateNotFound, TemplateNotReady, TemplateRequestError
 from .parts import NodeParts
@@ -133,6 +136,12 @@ class TemplateService:
                     await self.ensure_base(tid)
                 except Exception as exc:
                     log.error("building the default template %r failed: %s", tid, exc)
+                else:
+                    if self.parts.cfg.templates.code_interpreter:
+                        try:
+                            await self.ensure_code_interpreter()
+                        except Exception as exc:
+                            log.error("building %r failed: %s", CODE_INTERPRETER, exc)
             await trio.sleep_forever()
 
     # -- builds from recipes (the E2B template build API) -------------------------------------------------------
@@ -143,8 +152,16 @@ class TemplateService:
         if not _ALIAS.fullmatch(alias) or (tag and not _ALIAS.fullmatch(tag)):
             raise TemplateRequestError(f"template name {name!r}: use lowercase letters, digits, '-', '_' and '.' "
                                        "(optionally ':tag')")
-        if alias == self.parts.cfg.sandbox.default_template:
-            raise TemplateRequestError(f"template {alias!r} is this node's own default template")
+        if alias in (self.parts.cfg.sandbox.default_template, *self._builtin_names()):
+            raise TemplateRequestError(f"template {alias!r} is one of this node's own templates")
+        return await self._register(alias, tag, name, cpu_count=cpu_count, memory_mb=memory_mb,
+                                    min_free_disk_mb=min_free_disk_mb)
+
+    def _builtin_names(self) -> tuple[str, ...]:
+        return (CODE_INTERPRETER,) if self.parts.cfg.templates.code_interpreter else ()
+
+    async def _register(self, alias: str, tag: str, name: str, *, cpu_count: int | None, memory_mb: int | None,
+                        min_free_disk_mb: int | None) -> BuildRequest:
         sb = self.parts.cfg.sandbox
         vcpus, mem = cpu_count or sb.default_cpu_count, memory_mb or sb.default_memory_mb
         disk = sb.default_disk_size_mb + (min_free_disk_mb or 0)
@@ -191,7 +208,40 @@ class TemplateService:
         self._builds[build_id] = trio.Event()
         self._nursery.start_soon(self._run_build, t, build_id, recipe)
 
-    async def _run_build(self, t: Template, build_id: str, recipe: Recipe) -> None:
+    async def ensure_code_interpreter(self) -> None:
+        """Build ``code-interpreter-v1`` from its definition in the repository unless its last ready build was
+        made from this definition over the current ``base`` (``templates/builtin.py``)."""
+        cfg = self.parts.cfg
+        ev = self._builds.setdefault(CODE_INTERPRETER, trio.Event())
+        try:
+            files_hash = await trio.to_thread.run_sync(prepare_code_interpreter_files,
+                                                       cfg.images_cache_dir / "wheels", self.files_dir)
+            base = cfg.sandbox.default_template
+
+            def current(s: Session) -> tuple[str, bool]:
+                b = s.get(Template, base)
+                marker = f"builtin {CODE_INTERPRETER} files={files_hash[:16]} base={b.boot_snapshot_id if b else None}"
+                t = s.scalars(select(Template).where(Template.alias == CODE_INTERPRETER)).first()
+                if t is None or t.status != BuildStatus.READY:
+                    return marker, False
+                last = s.scalars(select(TemplateBuild).where(TemplateBuild.template_id == t.id,
+                                                             TemplateBuild.status == BuildStatus.READY)
+                                 .order_by(TemplateBuild.started_at.desc())).first()
+                return marker, last is not None and last.source == marker
+
+            marker, ok = await self.parts.db.run(current)
+            if ok:
+                return
+            req = await self._register(CODE_INTERPRETER, "default", CODE_INTERPRETER, cpu_count=None,
+                                       memory_mb=None, min_free_disk_mb=None)
+            t = await self.parts.db.run(lambda s: s.get(Template, req.template_id))
+            assert t is not None
+            self._builds[req.build_id] = trio.Event()
+            await self._run_build(t, req.build_id, code_interpreter_recipe(files_hash, base), description=marker)
+        finally:
+            ev.set()
+
+    async def _run_build(self, t: Template, build_id: str, recipe: Recipe, *, description: str | None = None) -> None:
         blog = self._logs.setdefault(build_id, BuildLog(self._build_dir(build_id) / "build.log.jsonl"))
         ev = self._builds[build_id]
         try:
@@ -202,7 +252,7 @@ class TemplateService:
                 await build_recipe(self.parts.db, self.parts.running_pool(), self.converter, self._recipe_inputs(),
                                    template_id=t.id, alias=t.alias, build_id=build_id, recipe=recipe,
                                    vcpus=t.cpu_count, mem_mib=t.memory_mb, disk_size_mb=t.disk_size_mb,
-                                   build_log=blog, wait_template=self._wait_build_of)
+                                   build_log=blog, wait_template=self._wait_build_of, description=description)
             self.parts.gc.request("template_build")
         except trio.Cancelled:
             with trio.CancelScope(shield=True):

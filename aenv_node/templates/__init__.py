@@ -4,6 +4,7 @@ kept current with its guest kit and root filesystem (``base``), and templates bu
 then steps in a build VM (``steps``)."""
 
 from .base import BaseTemplateInputs, base_template_current, ensure_base_template
+from .builtin import CODE_INTERPRETER, code_interpreter_recipe, prepare_code_interpreter_files
 from .build import BuildResult, GuestDefaults, TemplateSource, build_template
 from .convert import ConvertedImage, ImageConverter
 from .errors import GuestExecError, ImageHasNoShell, TemplateBuildError
@@ -12,6 +13,9 @@ from .recipe_build import RecipeInputs, build_recipe
 from .steps import StepFailed
 
 __all__ = [
+    "CODE_INTERPRETER",
+    "code_interpreter_recipe",
+    "prepare_code_interpreter_files",
     "BaseTemplateInputs",
     "BuildLog",
     "BuildResult",

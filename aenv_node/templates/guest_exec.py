@@ -21,7 +21,7 @@ import trio
 from ..snapshot.envd import ENVD_PORT
 from .errors import GuestExecError
 
-__all__ = ["ExecResult", "run_in_guest", "start_in_guest"]
+__all__ = ["ExecResult", "follow_in_guest", "run_in_guest", "start_in_guest"]
 
 Output = Callable[[str, str], None]  # (stream name "stdout"/"stderr", text)
 
@@ -95,6 +95,39 @@ async def run_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping
     code = end.get("exitCode", 0)
     return ExecResult(int(code) if isinstance(code, (int, str)) else -1, str(end.get("status", "")),
                       str(end["error"]) if end.get("error") else None)
+
+
+async def follow_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
+                          cwd: str | None = None, on_output: Output | None = None,
+                          task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> ExecResult:
+    """Start ``cmd`` and follow its output until it ends (its result) or this task is cancelled: the process
+    then keeps running (envd keeps a process whose client went away; no Connect timeout is set). Reports the
+    pid through ``task_status`` once envd has started it."""
+    url = f"http://{host}:{ENVD_PORT}/process.Process/Start"
+    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1", **_auth(user)}
+    started = False
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+        async with client.stream("POST", url, content=_start_body(cmd, envs=envs or {}, cwd=cwd),
+                                 headers=headers) as r:
+            if r.status_code != 200:
+                raise GuestExecError(f"envd answered {r.status_code}: {(await r.aread())[:300]!r}")
+            async for flags, doc in _envelopes(r):
+                if flags & 0x02:
+                    raise GuestExecError(f"envd ended the stream of {cmd!r}: {doc.get('error')}")
+                ev = _event(doc)
+                start, data, end = ev.get("start"), ev.get("data"), ev.get("end")
+                if isinstance(start, dict) and not started:
+                    started = True
+                    task_status.started(int(start.get("pid", 0)))
+                if isinstance(data, dict) and on_output is not None:
+                    for stream in ("stdout", "stderr"):
+                        if isinstance(data.get(stream), str):
+                            on_output(stream, base64.b64decode(str(data[stream])).decode(errors="replace"))
+                if isinstance(end, dict):
+                    code = end.get("exitCode", 0)
+                    return ExecResult(int(code) if isinstance(code, (int, str)) else -1, str(end.get("status", "")),
+                                      str(end["error"]) if end.get("error") else None)
+    raise GuestExecError(f"envd ended the stream of {cmd!r} without its exit status")
 
 
 async def start_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,

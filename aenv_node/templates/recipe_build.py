@@ -117,7 +117,8 @@ def _template_start(s: Session, name: str) -> _Start | None:
 async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, inputs: RecipeInputs, *,
                        template_id: str, alias: str | None, build_id: str, recipe: Recipe, vcpus: int,
                        mem_mib: int, disk_size_mb: int, build_log: BuildLog,
-                       wait_template: Callable[[str], Awaitable[None]] | None = None) -> BuildResult:
+                       wait_template: Callable[[str], Awaitable[None]] | None = None,
+                       description: str | None = None) -> BuildResult:
     """Build ``template_id`` from ``recipe`` (see the module docstring), logging to ``build_log``."""
     say = build_log.info
     from_template = recipe.from_template
@@ -173,7 +174,7 @@ async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, 
                             cmdline=kernel_cmdline(tsc_khz=tsc), kit_hash=kit.hash,
                             free_page_reporting=inputs.free_page_reporting,
                             layers=(*start.layers, *cached_layers),
-                            description=start.description, source_digest=start.digest,
+                            description=description or start.description, source_digest=start.digest,
                             env_vars=tuple(start.defaults.env_vars.items()),
                             default_user=start.defaults.default_user,
                             default_workdir=start.defaults.default_workdir)

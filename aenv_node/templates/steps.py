@@ -30,7 +30,7 @@ import trio
 
 from ..snapshot.envd import ENVD_PORT
 from .errors import TemplateBuildError
-from .guest_exec import run_in_guest, start_in_guest
+from .guest_exec import ExecResult, follow_in_guest, run_in_guest
 from .recipe import BuildLog, Recipe, Step
 
 __all__ = ["AfterStep", "StepFailed", "StepState", "replay", "run_recipe", "step_key"]
@@ -180,15 +180,43 @@ async def run_recipe(host: str, recipe: Recipe, state: StepState, log: BuildLog,
         if after_step is not None:
             await after_step(i, step)
     if recipe.start_cmd:
-        log.add(f"start command: {recipe.start_cmd}", step="start")
-        pid = await start_in_guest(host, recipe.start_cmd, user=state.user, envs=state.env, cwd=state.workdir)
-        log.add(f"started (pid {pid})", step="start")
-    if recipe.ready_cmd:
+        await _start_and_wait_ready(host, recipe, state, log, ready_timeout_s)
+    elif recipe.ready_cmd:
         await _wait_ready(host, recipe.ready_cmd, state, log, ready_timeout_s)
     return state
 
 
-async def _wait_ready(host: str, cmd: str, state: StepState, log: BuildLog, timeout_s: float) -> None:
+async def _start_and_wait_ready(host: str, recipe: Recipe, state: StepState, log: BuildLog,
+                                timeout_s: float) -> None:
+    """Start the start command, its output going to the build log, and wait for the ready command; a start
+    command that exits first fails the build with its status and last lines. Following its output stops
+    before the snapshot (the process keeps running; the snapshot holds it)."""
+    assert recipe.start_cmd is not None
+    log.add(f"start command: {recipe.start_cmd}", step="start")
+    tail = _Tail(log, "start")
+    ended: list[ExecResult] = []
+
+    async def follow(task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        result = await follow_in_guest(host, recipe.start_cmd or "", user=state.user, envs=state.env,
+                                       cwd=state.workdir, on_output=tail, task_status=task_status)
+        tail.flush()
+        ended.append(result)
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        pid = await nursery.start(follow)
+        log.add(f"started (pid {pid})", step="start")
+        if recipe.ready_cmd:
+            await _wait_ready(host, recipe.ready_cmd, state, log, timeout_s, tail=tail)
+        nursery.cancel_scope.cancel()
+    if ended:
+        last = " | ".join(tail.lines[-5:])
+        raise StepFailed(f"the start command exited ({ended[0].status or ended[0].exit_code}) before it was ready"
+                         + (f": {last}" if last else ""), "start")
+
+
+async def _wait_ready(host: str, cmd: str, state: StepState, log: BuildLog, timeout_s: float, *,
+                      tail: _Tail | None = None) -> None:
     log.add(f"waiting for the ready command: {cmd}", step="ready")
     attempts = 0
     with trio.move_on_after(timeout_s):
@@ -200,8 +228,9 @@ async def _wait_ready(host: str, cmd: str, state: StepState, log: BuildLog, time
                 log.add(f"ready after {attempts} check(s)", step="ready")
                 return
             await trio.sleep(1)
-    raise StepFailed(f"the ready command never succeeded within {timeout_s:.0f}s ({attempts} checks): {cmd}",
-                     "ready")
+    last = " | ".join(tail.lines[-5:]) if tail is not None else ""
+    raise StepFailed(f"the ready command never succeeded within {timeout_s:.0f}s ({attempts} checks): {cmd}"
+                     + (f"; the start command's last output: {last}" if last else ""), "ready")
 
 
 def initial_state(image_env: Mapping[str, str], user: str | None, workdir: str | None) -> StepState:

@@ -137,6 +137,8 @@ kind = "{vmm}"
 [net]
 egress = false
 warm_slots = 1
+[templates]
+code_interpreter = false  # its wheels come from PyPI: this VM reaches nothing
 """
 
 

@@ -88,6 +88,8 @@ def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
         # several nodes may share this host (a developer's own node, benchmarks): give this one
         # slot addresses of its own
         "AENV_NET_POOL_CIDR": pool or free_pool_cidr(),
+        # one test module builds code-interpreter-v1 (tests/templates/test_code_interpreter_template.py)
+        "AENV_TEMPLATES_CODE_INTERPRETER": "false",
         **extra_env,
     }
     log_path = state / f"node-{time.monotonic_ns()}.log"
