@@ -203,12 +203,17 @@ async def _start_and_wait_ready(host: str, recipe: Recipe, state: StepState, log
         ended.append(result)
         nursery.cancel_scope.cancel()
 
-    async with trio.open_nursery() as nursery:
-        pid = await nursery.start(follow)
-        log.add(f"started (pid {pid})", step="start")
-        if recipe.ready_cmd:
-            await _wait_ready(host, recipe.ready_cmd, state, log, timeout_s, tail=tail)
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            pid = await nursery.start(follow)
+            log.add(f"started (pid {pid})", step="start")
+            if recipe.ready_cmd:
+                await _wait_ready(host, recipe.ready_cmd, state, log, timeout_s, tail=tail)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # one failure (the ready check's, or envd's): the build says it as is
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], TemplateBuildError):
+            raise group.exceptions[0] from None
+        raise
     if ended:
         last = " | ".join(tail.lines[-5:])
         raise StepFailed(f"the start command exited ({ended[0].status or ended[0].exit_code}) before it was ready"

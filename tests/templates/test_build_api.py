@@ -13,11 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox, Template
+from e2b import Sandbox, Template, wait_for_port
 from e2b.exceptions import BuildException, SandboxException
 
 from tests.images.oci.images import Images
-from tests.images.oci.servers import Registry
+from tests.images.oci.conftest import PASSWORD, USER
+from tests.images.oci.servers import Registry, start_registry, stop_registry_process
 from tests.sandbox.conftest import NodeProcess, start_node, stop_node
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
@@ -54,10 +55,25 @@ def busy_image(images: Images, registry: Registry) -> str:
 
 
 @pytest.fixture(scope="module")
-def build_node(registry: Registry) -> Iterator[NodeProcess]:
+def auth_registry(oci_tmp: Path, images: Images, busy_image: str) -> Iterator[Registry]:
+    """A registry with htpasswd (Basic) auth, plain HTTP (listed in insecure_registries), holding busy:v1."""
+    workdir = oci_tmp / "tbuild-auth-registry"
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "htpasswd").write_bytes(subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], capture_output=True,
+                                                      check=True).stdout)
+    reg = start_registry(workdir, auth={"htpasswd": {"realm": "tbuild", "path": str(workdir / "htpasswd")}})
+    try:
+        images.skopeo_copy("busy", f"{reg.host}/private/busy:v1", "--dest-creds", f"{USER}:{PASSWORD}")
+        yield reg
+    finally:
+        stop_registry_process(reg.proc)
+
+
+@pytest.fixture(scope="module")
+def build_node(registry: Registry, auth_registry: Registry) -> Iterator[NodeProcess]:
     state = Path(tempfile.mkdtemp(prefix="aenv-tbuild-", dir="/var/tmp"))
-    node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=registry.host, AENV_TEMPLATES_READY_TIMEOUT_S="20",
-                      AENV_TEMPLATES_BOOT_TIMEOUT_S="90")
+    node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=f"{registry.host},{auth_registry.host}",
+                      AENV_TEMPLATES_READY_TIMEOUT_S="20", AENV_TEMPLATES_BOOT_TIMEOUT_S="90")
     try:
         yield node
     finally:
@@ -76,14 +92,14 @@ def sdk(build_node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> NodeProcess
     return build_node
 
 
-def test_sdk_template_build_from_an_image_then_sandboxes_of_it(sdk: NodeProcess, busy_image: str,
+def test_sdk_template_build_from_an_image_then_sandboxes_of_it(sdk: NodeProcess, auth_registry: Registry,
                                                                  tmp_path: Path) -> None:
-    image = busy_image
+    image = f"{auth_registry.host}/private/busy:v1"
     site = tmp_path / "site"
     site.mkdir()
     (site / "index.html").write_text("<h1>from a template</h1>\n")
     template = (
-        Template(file_context_path=str(tmp_path)).from_image(image)
+        Template(file_context_path=str(tmp_path)).from_image(image, username=USER, password=PASSWORD)
         .copy("site/", "/srv/www/")
         .run_cmd("echo built > /srv/www/built.txt && id -un > /srv/whoami")
         .set_envs({"GREETING": "hello from ENV"})
@@ -114,6 +130,39 @@ def test_sdk_template_build_from_an_image_then_sandboxes_of_it(sdk: NodeProcess,
     [(status, source, digest)] = sdk.sql(
         f"SELECT status, source, source_digest FROM template_builds WHERE id = '{info.build_id}'")
     assert status == "ready" and source == image and digest.startswith("sha256:")
+    # the registry password was used for that pull only: nowhere in the node's state, logs or build logs
+    for path in sdk.state_dir.rglob("*"):
+        if path.is_file() and path.stat().st_size < 64 << 20 and path.suffix not in (".layer",):
+            assert PASSWORD.encode() not in path.read_bytes(), path
+
+
+def test_wrong_registry_credentials_are_a_build_error(sdk: NodeProcess, auth_registry: Registry) -> None:
+    t = Template().from_image(f"{auth_registry.host}/private/busy:v1", username=USER, password="wrong-password")
+    with pytest.raises(BuildException, match="authentication|unauthorized|credentials"):
+        Template.build(t, "wrong-creds")
+
+
+def test_python_git_pip_node_in_base_and_a_python_server_from_it(sdk: NodeProcess) -> None:
+    """The node's base has what E2B's has, and a template FROM it can serve with python3, ready by wait_for_port
+    (which uses ss from the base's iproute2)."""
+    sb = Sandbox.create()
+    try:
+        # (npm itself takes tens of seconds to start under TCG: its presence is enough here)
+        r = sb.commands.run("python3 -c 'print(1)' && git --version && pip --version && node --version && "
+                            "command -v npm && curl --version | head -1", timeout=300)
+        assert r.stdout.startswith("1\ngit version ") and "pip " in r.stdout and "curl " in r.stdout
+    finally:
+        sb.kill()
+    t = (Template().from_template("base").run_cmd("mkdir -p /home/user/www && echo served > /home/user/www/a.txt")
+         .set_workdir("/home/user/www").set_start_cmd("python3 -m http.server 8080", wait_for_port(8080)))
+    Template.build(t, "py-server")
+    sb = Sandbox.create("py-server")
+    try:
+        r = httpx.get(sdk.url + "/a.txt", headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080"},
+                      timeout=30)
+        assert r.status_code == 200 and r.text == "served\n"
+    finally:
+        sb.kill()
 
 
 @pytest.mark.parametrize("case", ["unknown image", "failing RUN", "never ready"])
