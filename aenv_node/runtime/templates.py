@@ -9,19 +9,34 @@ create that names a template being built waits for that build; a template whose 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
+import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import trio
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..guest import __envd_version__
 from ..images import ImageError
-from ..state import BuildStatus, EventSubject, Snapshot, SnapshotStatus, Template, TemplateBuild, new_id, utcnow
+from ..state import (
+    BuildStatus,
+    EventSubject,
+    Sandbox,
+    SandboxState,
+    Snapshot,
+    SnapshotStatus,
+    Template,
+    TemplateBuild,
+    TemplateKind,
+    new_id,
+    utcnow,
+)
 from ..state.repository import record_event
 from ..templates import (
     CODE_INTERPRETER,
@@ -79,12 +94,34 @@ def _last_build_error(s: Session, template_id: str) -> str:
     return (b.error or "no reason recorded") if b is not None else "no build recorded"
 
 
-def _fail_interrupted_builds(s: Session) -> None:
-    """At start: a build still waiting or building was cut by the node stopping; none runs twice."""
+def _fail_interrupted_builds(s: Session) -> list[str]:
+    """At start: a build still waiting or building was cut by the node stopping; none runs twice. Returns
+    their ids."""
     rows = s.scalars(select(TemplateBuild).where(
         TemplateBuild.status.in_((BuildStatus.WAITING, BuildStatus.BUILDING)))).all()
     for b in rows:
         _fail_build(s, b.id, "interrupted by a restart of the node; start a new build")
+    return [b.id for b in rows]
+
+
+def _kill_build_vmms(markers: list[str]) -> list[int]:
+    """SIGKILL every process whose command line names one of ``markers`` (a cut build's directories: its VMM,
+    which outlives a node killed hard, as sandboxes' VMMs do by design). Returns their pids."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(m.encode() in cmdline for m in markers):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 def envd_version() -> str:
@@ -126,7 +163,15 @@ class TemplateService:
         return self.parts.cfg.state_dir / "template-files"
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self.parts.db.run(_fail_interrupted_builds)
+        cut = await self.parts.db.run(_fail_interrupted_builds)
+        if cut:
+            markers = [str(d / b) for b in cut for d in (self.parts.cfg.state_dir / "builds", self.parts.cfg.run_dir)]
+            killed = await trio.to_thread.run_sync(_kill_build_vmms, markers)
+            log.warning("%d template builds were cut by the last stop (%s); their VMMs killed: %s", len(cut),
+                        ", ".join(cut), killed or "none left")
+            for b in cut:  # its sockets and its disk's upper; its logs stay for the post-mortem
+                shutil.rmtree(self.parts.cfg.run_dir / b, ignore_errors=True)
+                shutil.rmtree(self.parts.cfg.state_dir / "builds" / b / "upper", ignore_errors=True)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -265,6 +310,43 @@ class TemplateService:
             await self.parts.db.run(_fail_build, build_id, message)
         finally:
             ev.set()
+
+    async def delete(self, name: str) -> bool:
+        """Delete the built template ``name`` (an id or alias); False if there is none. Its alias is free at once
+        and no new sandbox starts from it; sandboxes already made from it run, pause and resume as before (the
+        garbage collector keeps a snapshot while a sandbox not killed stands on it) and its files go after the
+        last one. The node's own templates cannot be deleted, nor one with a build in progress."""
+
+        def work(s: Session) -> Optional[bool]:
+            t = s.get(Template, name) or s.scalars(select(Template).where(Template.alias == name)).first()
+            if t is None or t.kind != TemplateKind.TEMPLATE:
+                return None
+            if t.alias in (self.parts.cfg.sandbox.default_template, *self._builtin_names()) or t.id == \
+                    self.parts.cfg.sandbox.default_template:
+                return False
+            busy = s.scalars(select(TemplateBuild.id).where(
+                TemplateBuild.template_id == t.id,
+                TemplateBuild.status.in_((BuildStatus.WAITING, BuildStatus.BUILDING)))).first()
+            if busy is not None:
+                raise TemplateRequestError(f"template {name!r} has a build in progress ({busy}); delete it after")
+            users = s.scalar(select(func.count()).select_from(Sandbox).where(
+                Sandbox.template_id == t.id, Sandbox.state != SandboxState.KILLED)) or 0
+            sn = s.get(Snapshot, t.boot_snapshot_id) if t.boot_snapshot_id else None
+            if sn is not None and sn.status == SnapshotStatus.COMMITTED:
+                sn.status = SnapshotStatus.DELETED
+            record_event(s, "template_delete", subject=EventSubject.TEMPLATE, subject_id=t.id,
+                         from_state=t.status, to_state="deleted",
+                         detail={"alias": t.alias, "snapshot_id": t.boot_snapshot_id, "sandboxes_not_killed": users})
+            s.delete(t)
+            return True
+
+        done = await self.parts.db.run(work)
+        if done is None:
+            return False
+        if done is False:
+            raise TemplateRequestError(f"template {name!r} is one of this node's own templates")
+        self.parts.gc.request("template_delete")
+        return True
 
     async def _wait_build_of(self, name: str) -> None:
         ev = self._builds.get(name)

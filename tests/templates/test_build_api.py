@@ -5,9 +5,11 @@ server already running. And the failures a user meets: each a build error with i
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,3 +230,71 @@ def test_a_rebuild_reuses_each_unchanged_steps_layer(sdk: NodeProcess, busy_imag
     # the layers of every step ever built stay cached (image_layers names them), keyed by their chain
     rows = {r[0] for r in sdk.sql(runs)} - before
     assert len(rows) == 3, rows  # step 1, step 2 "v1", step 2 "v2" (the forced build replaced its chains' layers)
+
+
+def test_deleting_a_template_in_use(sdk: NodeProcess, busy_image: str) -> None:
+    """DELETE /templates/{id}: the name is free at once and creates from it are 404s; a sandbox already made from
+    it keeps running (and pausing and resuming); its files go after that sandbox is killed."""
+    Template.build(Template().from_image(busy_image).run_cmd("echo kept > /kept"), "del-me")
+    sb = Sandbox.create("del-me")
+    [(tid, snap)] = sdk.sql("SELECT id, boot_snapshot_id FROM templates WHERE alias = 'del-me'")
+    with sdk.api() as c:
+        assert c.delete("/templates/del-me").status_code == 204
+        assert c.get("/templates/del-me").status_code == 404
+        assert c.delete(f"/templates/{tid}").status_code == 404
+        r = c.delete("/templates/base")
+        assert r.status_code == 400 and "own templates" in r.json()["message"]
+    with pytest.raises(SandboxException, match="404"):
+        Sandbox.create("del-me")
+    assert sb.commands.run("cat /kept").stdout == "kept\n"
+    sb.pause()
+    sb = Sandbox.connect(sb.sandbox_id)
+    assert sb.commands.run("cat /kept").stdout == "kept\n"
+    assert sdk.sql(f"SELECT status FROM snapshots WHERE id = '{snap}'") == [("deleted",)]
+    sb.kill()
+    deadline = time.monotonic() + 60
+    while sdk.sql(f"SELECT status FROM snapshots WHERE id = '{snap}'") != [("collected",)]:
+        assert time.monotonic() < deadline, sdk.sql(f"SELECT status FROM snapshots WHERE id = '{snap}'")
+        time.sleep(0.5)
+    [(detail,)] = sdk.sql(f"SELECT detail FROM events WHERE operation = 'template_delete' AND subject_id = '{tid}'")
+    assert '"sandboxes_not_killed": 1' in detail
+
+
+def test_a_build_cut_by_a_crash_is_failed_at_restart_and_its_vm_killed(registry: Registry, busy_image: str) -> None:
+    state = Path(tempfile.mkdtemp(prefix="aenv-tcut-", dir="/var/tmp"))
+    node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=registry.host)
+    try:
+        with node.api() as c:
+            r = c.post("/v3/templates", json={"name": "cut"})
+            tid, bid = r.json()["templateID"], r.json()["buildID"]
+            c.post(f"/v2/templates/{tid}/builds/{bid}", json={
+                "fromImage": busy_image, "steps": [{"type": "RUN", "args": ["sleep 600"]}]}).raise_for_status()
+            deadline = time.monotonic() + 300
+            while "step 1/1 RUN sleep 600" not in str(c.get(f"/templates/{tid}/builds/{bid}/status").json()):
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        node.proc.kill()  # a crash: the build VM outlives the node
+        node.proc.wait()
+        assert any(str(state / "builds" / bid) in cmd for cmd in _cmdlines())
+        node = start_node(state, port=int(node.url.rsplit(":", 1)[1]), AENV_IMAGES_INSECURE_REGISTRIES=registry.host)
+        with node.api() as c:
+            st = c.get(f"/templates/{tid}/builds/{bid}/status").json()
+        assert st["status"] == "error" and "interrupted by a restart" in st["reason"]["message"]
+        assert "step 1/1 RUN sleep 600" in str(st["logEntries"])  # the log outlived the crash
+        assert not [cmd for cmd in _cmdlines() if str(state / "builds" / bid) in cmd]
+        assert "template builds were cut by the last stop" in node.log()
+    finally:
+        stop_node(node.proc)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _cmdlines() -> list[str]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/cmdline") as f:
+                    out.append(f.read().replace("\0", " "))
+            except OSError:
+                pass
+    return out

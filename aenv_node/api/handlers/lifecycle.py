@@ -93,8 +93,11 @@ async def create_snapshot(api: ApiContext, sandboxID: str, body: NewSnapshot) ->
 
 
 async def delete_template(api: ApiContext, templateID: str) -> None:
-    if not await api.sandboxes.delete_snapshot(templateID):
-        raise ApiError(404, f"snapshot {templateID} not found (only snapshots can be deleted here)")
+    """A user snapshot, or a built template (see ``TemplateService.delete``: running sandboxes keep going)."""
+    if await api.sandboxes.delete_snapshot(templateID):
+        return
+    if not await api.sandboxes.templates.delete(templateID):
+        raise ApiError(404, f"template or snapshot {templateID} not found")
 
 
 def fork_result(api: ApiContext, child: SandboxRow | Exception) -> ForkResult:
