@@ -139,7 +139,7 @@ ROUTES: tuple[Route, ...] = (
     # -- templates ---------------------------------------------------------
     Route("GET", "/templates", "list_templates", "List templates", _T,
           response=Template, response_is_list=True),
-    Route("GET", "/templates/{templateID}", "get_template", "Get a template and its builds", _T,
+    Route("GET", "/templates/{templateID}", "get_template", "Get a template", _T,
           response=Template),
     Route("DELETE", "/templates/{templateID}", "delete_template",
           "Delete a template or snapshot", _T, success=204),

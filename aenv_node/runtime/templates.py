@@ -88,6 +88,15 @@ def _fail_build(s: Session, build_id: str, message: str) -> None:
                  to_state=BuildStatus.ERROR, error=message, detail={"build_id": build_id})
 
 
+def _mark_building(s: Session, build_id: str) -> None:
+    """A build's turn came: it is building from here (its pull and conversion included)."""
+    b = s.get(TemplateBuild, build_id)
+    if b is not None and b.status == BuildStatus.WAITING:
+        b.status = BuildStatus.BUILDING
+        record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=b.template_id,
+                     from_state=BuildStatus.WAITING, to_state=BuildStatus.BUILDING, detail={"build_id": build_id})
+
+
 def _last_build_error(s: Session, template_id: str) -> str:
     b = s.scalars(select(TemplateBuild).where(TemplateBuild.template_id == template_id)
                   .order_by(TemplateBuild.started_at.desc())).first()
@@ -293,6 +302,7 @@ class TemplateService:
             if self._limiter.borrowed_tokens >= self._limiter.total_tokens:
                 blog.info("waiting for a build slot (templates.max_concurrent_builds)")
             async with self._limiter:
+                await self.parts.db.run(_mark_building, build_id)
                 blog.info(f"building {t.alias or t.id} from {recipe.source}")
                 await build_recipe(self.parts.db, self.parts.running_pool(), self.converter, self._recipe_inputs(),
                                    template_id=t.id, alias=t.alias, build_id=build_id, recipe=recipe,
@@ -325,10 +335,10 @@ class TemplateService:
                     self.parts.cfg.sandbox.default_template:
                 return False
             busy = s.scalars(select(TemplateBuild.id).where(
-                TemplateBuild.template_id == t.id,
-                TemplateBuild.status.in_((BuildStatus.WAITING, BuildStatus.BUILDING)))).first()
-            if busy is not None:
-                raise TemplateRequestError(f"template {name!r} has a build in progress ({busy}); delete it after")
+                TemplateBuild.template_id == t.id, TemplateBuild.status == BuildStatus.BUILDING)).first()
+            if busy is not None or any(b in self._builds and not self._builds[b].is_set() for b in
+                                       s.scalars(select(TemplateBuild.id).where(TemplateBuild.template_id == t.id))):
+                raise TemplateRequestError(f"template {name!r} has a build in progress; delete it after")
             users = s.scalar(select(func.count()).select_from(Sandbox).where(
                 Sandbox.template_id == t.id, Sandbox.state != SandboxState.KILLED)) or 0
             sn = s.get(Snapshot, t.boot_snapshot_id) if t.boot_snapshot_id else None

@@ -2,7 +2,8 @@
 (the ``e2b_code_interpreter`` SDK's default template), FROM the node's ``base``.
 
 Its recipe: COPY the server package (``code_interpreter/``) with its pinned wheels (downloaded on the host by
-``code_interpreter.wheels``; the build VM has no network), RUN a virtual environment installed from those wheels
+``code_interpreter.wheels``; the build fetches nothing from inside the VM, so it works with ``net.egress = false``
+and with a registry-only network), RUN a virtual environment installed from those wheels
 offline, then the server as the start command, ready once ``/health`` answers. The archive the COPY step takes
 is made here, keyed by the hash of what goes in it, so the step cache holds across restarts and a change to the
 server or its requirements rebuilds only from that step.

@@ -14,6 +14,7 @@ template: the node reaches no registry on the internet, and that is what E2B's b
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -81,6 +82,11 @@ def _env_pairs(env: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _key(text: str) -> str:
+    """A chain id (hex sha256) for what the first step builds on."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _is_root(user: str) -> bool:
     name = user.split(":", 1)[0]
     return name in ("", "root", "0")
@@ -111,7 +117,7 @@ def _template_start(s: Session, name: str) -> _Start | None:
     cfg = sn.config
     return _Start(tuple(Path(str(r.local_path)) for r in rows), f"template {name}", None,
                   GuestDefaults(dict(cfg.env_vars), cfg.default_user, cfg.default_workdir),
-                  cfg.default_user or "user", f"template-snapshot:{sn.id}")
+                  cfg.default_user or "user", _key(f"template-snapshot:{sn.id}"))
 
 
 async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, inputs: RecipeInputs, *,
@@ -145,7 +151,7 @@ async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, 
         start = _Start(converted.layers, recipe.from_image, image.digest,
                        GuestDefaults(_env_pairs(cfg.env), None if _is_root(user) else user.split(":", 1)[0],
                                      cfg.working_dir or None),
-                       user.split(":", 1)[0] or "root", f"image-chain:{converted.chain[-1]}")
+                       user.split(":", 1)[0] or "root", _key(f"image-chain:{converted.chain[-1]}"))
     else:
         raise TemplateBuildError("a build needs fromImage or fromTemplate")
 
