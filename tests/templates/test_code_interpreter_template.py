@@ -58,7 +58,8 @@ def test_run_code_with_the_unmodified_sdk(ci_node: NodeProcess, monkeypatch: pyt
         assert err is not None and err.name == "ZeroDivisionError"
         out = sb.run_code("print('hello'); import sys; print('oops', file=sys.stderr)")
         assert out.logs.stdout == ["hello\n"] and out.logs.stderr == ["oops\n"]
-        ctx = sb.create_code_context()
+        # a new kernel starts in about a second on a KVM host; under TCG on a busy 2-core host, a minute or more
+        ctx = sb.create_code_context(request_timeout=300)
         assert sb.run_code("'x' in globals()", context=ctx).text == "False"  # its own globals
         assert sb.run_code("import os; os.getcwd()").text == "/home/user"
         # the same guest: files written by code are visible to commands
