@@ -74,8 +74,12 @@ def auth_registry(oci_tmp: Path, images: Images, busy_image: str) -> Iterator[Re
 @pytest.fixture(scope="module")
 def build_node(registry: Registry, auth_registry: Registry) -> Iterator[NodeProcess]:
     state = Path(tempfile.mkdtemp(prefix="aenv-tbuild-", dir="/var/tmp"))
-    node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=f"{registry.host},{auth_registry.host}",
-                      AENV_TEMPLATES_READY_TIMEOUT_S="20", AENV_TEMPLATES_BOOT_TIMEOUT_S="90")
+    try:  # a node that fails to start leaves no state directory either
+        node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=f"{registry.host},{auth_registry.host}",
+                          AENV_TEMPLATES_READY_TIMEOUT_S="20", AENV_TEMPLATES_BOOT_TIMEOUT_S="90")
+    except BaseException:
+        shutil.rmtree(state, ignore_errors=True)
+        raise
     try:
         yield node
     finally:

@@ -34,7 +34,11 @@ def _wait_ready(node: NodeProcess, name: str, timeout: float = 900) -> None:
 @pytest.fixture(scope="module")
 def ci_node() -> Iterator[NodeProcess]:
     state = Path(tempfile.mkdtemp(prefix="aenv-ci-", dir="/var/tmp"))
-    node = start_node(state, AENV_TEMPLATES_CODE_INTERPRETER="true")
+    try:  # a node that fails to start leaves no state directory either
+        node = start_node(state, AENV_TEMPLATES_CODE_INTERPRETER="true")
+    except BaseException:
+        shutil.rmtree(state, ignore_errors=True)
+        raise
     try:
         _wait_ready(node, "code-interpreter-v1")
         yield node
