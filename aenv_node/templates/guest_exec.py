@@ -21,7 +21,7 @@ import trio
 from ..snapshot.envd import ENVD_PORT
 from .errors import GuestExecError
 
-__all__ = ["ExecResult", "follow_in_guest", "run_in_guest", "start_in_guest"]
+__all__ = ["ExecResult", "follow_in_guest", "run_in_guest"]
 
 Output = Callable[[str, str], None]  # (stream name "stdout"/"stderr", text)
 
@@ -63,15 +63,20 @@ def _event(doc: dict[str, object]) -> dict[str, object]:
     return ev if isinstance(ev, dict) else {}
 
 
-async def run_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
-                       cwd: str | None = None, timeout_s: float = 600.0,
-                       on_output: Output | None = None) -> ExecResult:
-    """Run ``cmd`` with ``/bin/sh -c`` as ``user`` and wait for it; output goes to ``on_output`` as it comes."""
+async def follow_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
+                          cwd: str | None = None, timeout_s: float | None = None, on_output: Output | None = None,
+                          task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> ExecResult:
+    """Run ``cmd`` with ``/bin/sh -c`` as ``user``, its output going to ``on_output`` as it comes, until it ends
+    (its result). ``timeout_s``: envd kills it after that long (Connect-Timeout-Ms); None: no limit, and a
+    cancelled caller leaves it running (envd keeps a process whose client went away). Reports the pid through
+    ``task_status`` once envd has started it."""
     url = f"http://{host}:{ENVD_PORT}/process.Process/Start"
-    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
-               "Connect-Timeout-Ms": str(int(timeout_s * 1000)), **_auth(user)}
-    end: dict[str, object] | None = None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s + 10, connect=10)) as client:
+    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1", **_auth(user)}
+    if timeout_s is not None:
+        headers["Connect-Timeout-Ms"] = str(int(timeout_s * 1000))
+    started = False
+    http_timeout = httpx.Timeout(None if timeout_s is None else timeout_s + 10, connect=10)
+    async with httpx.AsyncClient(timeout=http_timeout) as client:
         async with client.stream("POST", url, content=_start_body(cmd, envs=envs or {}, cwd=cwd),
                                  headers=headers) as r:
             if r.status_code != 200:
@@ -82,38 +87,6 @@ async def run_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping
                     if isinstance(err, dict):
                         raise GuestExecError(f"envd: {err.get('code')}: {err.get('message')}")
                     break
-                ev = _event(doc)
-                data = ev.get("data")
-                if isinstance(data, dict) and on_output is not None:
-                    for stream in ("stdout", "stderr"):
-                        if isinstance(data.get(stream), str):
-                            on_output(stream, base64.b64decode(str(data[stream])).decode(errors="replace"))
-                if isinstance(ev.get("end"), dict):
-                    end = ev["end"]  # type: ignore[assignment]
-    if end is None:
-        raise GuestExecError(f"envd ended the stream of {cmd!r} without its exit status")
-    code = end.get("exitCode", 0)
-    return ExecResult(int(code) if isinstance(code, (int, str)) else -1, str(end.get("status", "")),
-                      str(end["error"]) if end.get("error") else None)
-
-
-async def follow_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
-                          cwd: str | None = None, on_output: Output | None = None,
-                          task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> ExecResult:
-    """Start ``cmd`` and follow its output until it ends (its result) or this task is cancelled: the process
-    then keeps running (envd keeps a process whose client went away; no Connect timeout is set). Reports the
-    pid through ``task_status`` once envd has started it."""
-    url = f"http://{host}:{ENVD_PORT}/process.Process/Start"
-    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1", **_auth(user)}
-    started = False
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
-        async with client.stream("POST", url, content=_start_body(cmd, envs=envs or {}, cwd=cwd),
-                                 headers=headers) as r:
-            if r.status_code != 200:
-                raise GuestExecError(f"envd answered {r.status_code}: {(await r.aread())[:300]!r}")
-            async for flags, doc in _envelopes(r):
-                if flags & 0x02:
-                    raise GuestExecError(f"envd ended the stream of {cmd!r}: {doc.get('error')}")
                 ev = _event(doc)
                 start, data, end = ev.get("start"), ev.get("data"), ev.get("end")
                 if isinstance(start, dict) and not started:
@@ -130,22 +103,9 @@ async def follow_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapp
     raise GuestExecError(f"envd ended the stream of {cmd!r} without its exit status")
 
 
-async def start_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
-                         cwd: str | None = None) -> int:
-    """Start ``cmd`` (``/bin/sh -c``) as ``user`` and leave it running (envd keeps a process whose client went
-    away, and no Connect timeout is set): its pid."""
-    url = f"http://{host}:{ENVD_PORT}/process.Process/Start"
-    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1", **_auth(user)}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30, connect=10)) as client:
-        async with client.stream("POST", url, content=_start_body(cmd, envs=envs or {}, cwd=cwd),
-                                 headers=headers) as r:
-            if r.status_code != 200:
-                raise GuestExecError(f"envd answered {r.status_code}: {(await r.aread())[:300]!r}")
-            with trio.move_on_after(30):
-                async for flags, doc in _envelopes(r):
-                    if flags & 0x02:
-                        raise GuestExecError(f"envd could not start {cmd!r}: {doc.get('error')}")
-                    start = _event(doc).get("start")
-                    if isinstance(start, dict):
-                        return int(start.get("pid", 0))
-    raise GuestExecError(f"envd did not report the start of {cmd!r}")
+async def run_in_guest(host: str, cmd: str, *, user: str = "root", envs: Mapping[str, str] | None = None,
+                       cwd: str | None = None, timeout_s: float = 600.0,
+                       on_output: Output | None = None) -> ExecResult:
+    """Run ``cmd`` with ``/bin/sh -c`` as ``user`` and wait for it (killed by envd after ``timeout_s``)."""
+    return await follow_in_guest(host, cmd, user=user, envs=envs, cwd=cwd, timeout_s=timeout_s,
+                                 on_output=on_output)

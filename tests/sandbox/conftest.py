@@ -119,6 +119,21 @@ def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
         raise
 
 
+def processes_mentioning(needle: str) -> list[int]:
+    """Pids of the processes whose command line contains ``needle`` (a VMM left behind names its directories)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
 def stop_node(proc: subprocess.Popen) -> None:
     """SIGTERM (a graceful stop), SIGKILL if it takes over a minute."""
     if proc.poll() is not None:

@@ -3,7 +3,6 @@ left behind (no VMM process, no snapshot row or file, no build upper)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -11,23 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import start_node, stop_node
+from .conftest import processes_mentioning, start_node, stop_node
 
 pytestmark = pytest.mark.vm
-
-
-def _processes_mentioning(needle: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if needle.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def test_a_hung_template_boot_is_retried_once_then_fails_cleanly() -> None:
@@ -55,7 +40,7 @@ def test_a_hung_template_boot_is_retried_once_then_fails_cleanly() -> None:
         [build_dir] = (state / "builds").iterdir()
         assert not (build_dir / "upper").exists()  # the console log stays for the post-mortem
         assert (build_dir / "console.log").exists()
-        assert _processes_mentioning(str(build_dir)) == []  # the VMM (its console log is under the build dir)
+        assert processes_mentioning(str(build_dir)) == []  # the VMM (its console log is under the build dir)
     finally:
         stop_node(node.proc)
         shutil.rmtree(state, ignore_errors=True)

@@ -5,7 +5,6 @@ server already running. And the failures a user meets: each a build error with i
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -21,7 +20,7 @@ from e2b.exceptions import BuildException, SandboxException
 from tests.images.oci.images import Images
 from tests.images.oci.conftest import PASSWORD, USER
 from tests.images.oci.servers import Registry, start_registry, stop_registry_process
-from tests.sandbox.conftest import NodeProcess, start_node, stop_node
+from tests.sandbox.conftest import NodeProcess, processes_mentioning, start_node, stop_node
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -279,26 +278,15 @@ def test_a_build_cut_by_a_crash_is_failed_at_restart_and_its_vm_killed(registry:
                 time.sleep(0.5)
         node.proc.kill()  # a crash: the build VM outlives the node
         node.proc.wait()
-        assert any(str(state / "builds" / bid) in cmd for cmd in _cmdlines())
+        assert processes_mentioning(str(state / "builds" / bid))
         node = start_node(state, port=int(node.url.rsplit(":", 1)[1]), AENV_IMAGES_INSECURE_REGISTRIES=registry.host)
         with node.api() as c:
             st = c.get(f"/templates/{tid}/builds/{bid}/status").json()
         assert st["status"] == "error" and "interrupted by a restart" in st["reason"]["message"]
         assert "step 1/1 RUN sleep 600" in str(st["logEntries"])  # the log outlived the crash
-        assert not [cmd for cmd in _cmdlines() if str(state / "builds" / bid) in cmd]
+        assert not processes_mentioning(str(state / "builds" / bid))
         assert "template builds were cut by the last stop" in node.log()
     finally:
         stop_node(node.proc)
         shutil.rmtree(state, ignore_errors=True)
 
-
-def _cmdlines() -> list[str]:
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/cmdline") as f:
-                    out.append(f.read().replace("\0", " "))
-            except OSError:
-                pass
-    return out

@@ -18,7 +18,6 @@ from pathlib import Path
 import trio
 from quart import request
 
-from ...templates import LogEntry
 from ..build_models import (
     BuildLogEntry,
     BuildStatusReason,
@@ -65,14 +64,10 @@ async def start_template_build(api: ApiContext, templateID: str, buildID: str, b
     await api.sandboxes.templates.start_build(templateID, buildID, body.to_recipe())
 
 
-def _entry(e: LogEntry) -> BuildLogEntry:
-    return BuildLogEntry.of(e)
-
-
 async def get_template_build_status(api: ApiContext, templateID: str, buildID: str) -> TemplateBuildInfo:
     offset = query_int("logsOffset", 0, lo=0, hi=10**9)
     view = await api.sandboxes.templates.build_status(templateID, buildID, offset)
-    entries = [_entry(e) for e in view.entries]
+    entries = [BuildLogEntry.of(e) for e in view.entries]
     reason = None
     if view.error is not None:
         reason = BuildStatusReason(message=view.error)
