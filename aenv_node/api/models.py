@@ -40,11 +40,10 @@ from pydantic import (
     model_validator,
 )
 
-from ..state import BuildStatus, EventSubject, SandboxState, SnapshotKind, SnapshotStatus, TemplateKind
+from ..state import EventSubject, SandboxState, SnapshotKind, SnapshotStatus
 from ..state import Event as EventRow
 from ..state import Sandbox as SandboxRow
 from ..state import Snapshot as SnapshotRow
-from ..state import Template as TemplateRow
 
 __all__ = [
     "E2BState",
@@ -79,8 +78,6 @@ __all__ = [
     "ForkResult",
     "SnapshotInfo",
     "SnapshotDetail",
-    "Template",
-    "TemplateAlias",
 ]
 
 E2BState = Literal["running", "paused"]
@@ -432,28 +429,3 @@ class SnapshotDetail(SnapshotInfo):
         return cls(snapshot_id=sn.id, names=[sn.name] if sn.name else [], parent_id=sn.parent_id,
                    source_sandbox_id=sn.source_sandbox_id, kind=sn.kind, status=sn.status,
                    created_at=sn.created_at)
-
-
-class Template(ResponseModel):
-    template_id: str = Field(alias="templateID")
-    aliases: list[str]
-    cpu_count: int = Field(alias="cpuCount")
-    memory_mb: int = Field(alias="memoryMB")
-    disk_size_mb: int = Field(alias="diskSizeMB")
-    envd_version: str = Field(alias="envdVersion")
-    created_at: Timestamp = Field(alias="createdAt")
-    updated_at: Timestamp = Field(alias="updatedAt")
-    public: bool = False
-    build_status: BuildStatus = Field(alias="buildStatus")
-    kind: TemplateKind
-
-    @classmethod
-    def from_row(cls, t: TemplateRow) -> Template:
-        return cls(template_id=t.id, aliases=[t.alias] if t.alias else [], cpu_count=t.cpu_count,
-                   memory_mb=t.memory_mb, disk_size_mb=t.disk_size_mb, envd_version=t.envd_version,
-                   created_at=t.created_at, updated_at=t.updated_at, build_status=t.status, kind=t.kind)
-
-
-class TemplateAlias(ResponseModel):
-    template_id: str = Field(alias="templateID")
-    public: bool = False

@@ -16,7 +16,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .build_models import (
+from .template_models import (
+    AssignedTags,
+    AssignTags,
+    DeleteTags,
+    Template,
+    TemplateAlias,
+    TemplateTag,
+    TemplateWithBuilds,
     TemplateBuildInfo,
     TemplateBuildRequest,
     TemplateBuildStart,
@@ -44,8 +51,6 @@ from .models import (
     SandboxMetric,
     SnapshotDetail,
     SnapshotInfo,
-    Template,
-    TemplateAlias,
     Timeout,
 )
 
@@ -139,8 +144,16 @@ ROUTES: tuple[Route, ...] = (
     # -- templates ---------------------------------------------------------
     Route("GET", "/templates", "list_templates", "List templates", _T,
           response=Template, response_is_list=True),
-    Route("GET", "/templates/{templateID}", "get_template", "Get a template", _T,
-          response=Template),
+    Route("GET", "/v2/templates", "list_templates_v2", "List templates (paged)", _T,
+          response=Template, response_is_list=True, query=("limit", "nextToken")),
+    Route("GET", "/templates/{templateID}", "get_template", "Get a template and its builds", _T,
+          response=TemplateWithBuilds),
+    Route("GET", "/templates/{templateID}/tags", "get_template_tags", "A template's tags and their builds", _T,
+          response=TemplateTag, response_is_list=True),
+    Route("POST", "/templates/tags", "assign_template_tags", "Point tags at the build a name:tag names", _T,
+          success=201, request=AssignTags, response=AssignedTags),
+    Route("DELETE", "/templates/tags", "delete_template_tags", "Remove tags from a template", _T, success=204,
+          request=DeleteTags),
     Route("DELETE", "/templates/{templateID}", "delete_template",
           "Delete a template or snapshot", _T, success=204),
     Route("GET", "/templates/aliases/{alias}", "get_template_alias", "Resolve a template alias", _T,

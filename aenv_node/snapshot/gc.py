@@ -8,8 +8,9 @@ this module decides which of those files are garbage and removes them.
 What stays (a snapshot is **reachable**; ``REACHABLE_CTE`` is the SQL):
 
 * the current snapshot of every template (``templates.boot_snapshot_id``:
-  built templates and user snapshots not deleted), and every committed
-  ``user`` snapshot;
+  built templates and user snapshots not deleted), the snapshot of every
+  build a tag names (``template_tags``), and every committed ``user``
+  snapshot;
 * ``sandboxes.snapshot_id`` of every sandbox not killed: a paused sandbox's
   pause snapshot, and the snapshot a creating/running/pausing/resuming
   sandbox was restored from (QEMU maps its flat memory copy-on-write, and
@@ -113,6 +114,9 @@ log = logging.getLogger(__name__)
 REACHABLE_CTE = """
 WITH RECURSIVE reachable(id) AS (
     SELECT boot_snapshot_id FROM templates WHERE boot_snapshot_id IS NOT NULL
+  UNION
+    SELECT b.snapshot_id FROM template_tags tt JOIN template_builds b ON b.id = tt.build_id
+    WHERE b.snapshot_id IS NOT NULL
   UNION
     SELECT id FROM snapshots WHERE status = 'committing' OR (kind = 'user' AND status = 'committed')
   UNION

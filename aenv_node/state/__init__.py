@@ -27,6 +27,7 @@ from .models import (
     Template,
     TemplateBuild,
     TemplateKind,
+    TemplateTag,
     utcnow,
 )
 from .records import MachineShape, SnapshotConfig
@@ -50,6 +51,7 @@ __all__ = [
     "SnapshotLayer",
     "Template",
     "TemplateBuild",
+    "TemplateTag",
     "utcnow",
     "new_id",
     "BuildStatus",

@@ -54,6 +54,7 @@ __all__ = [
     "Node",
     "Template",
     "TemplateBuild",
+    "TemplateTag",
     "Sandbox",
     "Snapshot",
     "Layer",
@@ -232,7 +233,27 @@ class TemplateBuild(Base):
     finished_at: Mapped[Optional[dt.datetime]]
     duration_ms: Mapped[Optional[float]] = mapped_column(Float)
     error: Mapped[Optional[str]] = mapped_column(Text)
+    #: where a failed build stopped, as E2B's status names it: "base" (pull, conversion, boot), "1".."N"
+    #: (a step), "finalize" (start and ready commands, snapshot)
+    error_step: Mapped[Optional[str]] = mapped_column(String(16))
     log_path: Mapped[Optional[str]] = mapped_column(Text)
+    #: the tags this build gets when it succeeds (``name:tag`` and ``tags`` of ``POST /v3/templates``)
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    #: the boot snapshot this build made (NULL until it is ready)
+    snapshot_id: Mapped[Optional[str]] = mapped_column(ForeignKey("snapshots.id", ondelete="SET NULL"))
+
+
+class TemplateTag(Base):
+    """A tag names one ready build of a template (``name:tag``); ``default`` is what a bare name means. A
+    tag moves when a later build takes it; the snapshots tagged builds made stay (the garbage collector
+    keeps them) until the tag goes."""
+
+    __tablename__ = "template_tags"
+
+    template_id: Mapped[str] = mapped_column(ForeignKey("templates.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(128), primary_key=True)
+    build_id: Mapped[str] = mapped_column(ForeignKey("template_builds.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class Sandbox(Base):
@@ -344,7 +365,9 @@ class ImageLayer(Base):
     """A block layer converted from an OCI layer, keyed by its chain: the filesystem format at the bottom, then
     every OCI layer's diff id up to this one (OCI's ChainID, salted with the format). Two images sharing base
     layers share these rows and their files; a second pull of a shared base converts nothing. The layers this
-    table names stay while it names them (the garbage collector keeps them)."""
+    table names stay while it names them (the garbage collector keeps them); a row no build has used for
+    ``images.layer_cache_ttl_s`` whose layer no kept snapshot stacks is dropped by a collection, and its
+    layer goes with it."""
 
     __tablename__ = "image_layers"
 
@@ -358,6 +381,8 @@ class ImageLayer(Base):
     first_source: Mapped[str] = mapped_column(Text, default="")
     convert_ms: Mapped[Optional[float]] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    #: the last build that used it (converted or found it); unused rows expire (``images.layer_cache_ttl_s``)
+    last_used_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class PulledImage(Base):

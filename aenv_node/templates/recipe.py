@@ -88,6 +88,17 @@ class BuildLog:
     def info(self, message: str) -> None:
         self.add(message)
 
+    @property
+    def stage(self) -> str:
+        """Where the build is, as E2B's failure reason names it (``reason.step``; the SDK points its traceback at
+        that instruction): "base" before the first step (pull, conversion, boot), the step's number during one,
+        "finalize" for the start and ready commands and the snapshot."""
+        with self._lock:
+            step = next((e.step for e in reversed(self._entries) if e.step is not None), None)
+        if step is None:
+            return "base"
+        return step if step.isdigit() else "finalize"
+
     def entries(self, offset: int = 0, limit: int = 100) -> list[LogEntry]:
         with self._lock:
             return self._entries[max(0, offset):max(0, offset) + limit]

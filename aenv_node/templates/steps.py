@@ -86,9 +86,9 @@ class _Tail:
         self.partial = {"stdout": "", "stderr": ""}
 
 
-async def _run(host: str, cmd: str, state: StepState, log: BuildLog, label: str, *, user: str | None = None,
+async def _run(host: str, cmd: str, state: StepState, log: BuildLog, label: str, step: int, *, user: str | None = None,
                timeout_s: float = 3600) -> None:
-    tail = _Tail(log, label)
+    tail = _Tail(log, str(step))
     result = await run_in_guest(host, cmd, user=user or state.user, envs=state.env, cwd=state.workdir,
                                 timeout_s=timeout_s, on_output=tail)
     tail.flush()
@@ -109,7 +109,8 @@ async def _upload(host: str, data_path: Path, guest_path: str) -> None:
         raise TemplateBuildError(f"uploading {data_path.name} into the build VM failed: {r.status_code} {r.text[:200]}")
 
 
-async def _copy(host: str, step: Step, state: StepState, log: BuildLog, label: str, files: Path) -> None:
+async def _copy(host: str, step: Step, state: StepState, log: BuildLog, label: str, number: int, files: Path
+                ) -> None:
     src, dest = step.args[0], step.args[1]
     owner = (step.args[2] if len(step.args) > 2 else "") or state.user
     mode = step.args[3] if len(step.args) > 3 else ""
@@ -131,7 +132,7 @@ async def _copy(host: str, step: Step, state: StepState, log: BuildLog, label: s
         + (f"chmod -R {q(mode)} \"$t\"; " if mode else "")
         + f"rm -rf {q(tmp)} {q(tmp + '.tar')}"
     )
-    await _run(host, script, state, log, label, user="root")
+    await _run(host, script, state, log, label, number, user="root")
 
 
 def replay(step: Step, state: StepState) -> None:
@@ -162,19 +163,19 @@ async def run_recipe(host: str, recipe: Recipe, state: StepState, log: BuildLog,
             continue
         log.add(label, step=str(i))
         if step.kind == "RUN":
-            await _run(host, step.args[0], state, log, label, user=step.args[1] if len(step.args) > 1 else None)
+            await _run(host, step.args[0], state, log, label, i, user=step.args[1] if len(step.args) > 1 else None)
         elif step.kind == "ENV":
             replay(step, state)
         elif step.kind == "WORKDIR":
             replay(step, state)
             path = state.workdir or "/"
             await _run(host, f"mkdir -p {shlex.quote(path)} && chown {shlex.quote(state.user)}: {shlex.quote(path)}",
-                       state, log, label, user="root")
+                       state, log, label, i, user="root")
         elif step.kind == "USER":
-            await _run(host, f"id -u {shlex.quote(step.args[0])} >/dev/null", state, log, label, user="root")
+            await _run(host, f"id -u {shlex.quote(step.args[0])} >/dev/null", state, log, label, i, user="root")
             replay(step, state)
         elif step.kind == "COPY":
-            await _copy(host, step, state, log, label, files_dir)
+            await _copy(host, step, state, log, label, i, files_dir)
         else:
             raise StepFailed(f"{label}: unknown step type {step.kind}", label)
         if after_step is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import trio
 from quart import request
 
-from ..build_models import (
+from ..template_models import (
     BuildLogEntry,
     BuildStatusReason,
     TemplateBuildInfo,
@@ -27,6 +27,7 @@ from ..build_models import (
     TemplateFileUpload,
     TemplateRequestResponse,
 )
+from ...templates import touch
 from ..context import ApiContext, Handler
 from ..errors import ApiError
 from .node import query_int
@@ -44,12 +45,11 @@ def _upload_token(api: ApiContext, template_id: str, files_hash: str) -> str:
 
 
 async def create_template(api: ApiContext, body: TemplateBuildRequest) -> TemplateRequestResponse:
-    req = await api.sandboxes.templates.register_build(body.name, cpu_count=body.cpu_count,
+    req = await api.sandboxes.templates.register_build(body.name, tags=body.tags, cpu_count=body.cpu_count,
                                                        memory_mb=body.memory_mb,
                                                        min_free_disk_mb=body.min_free_disk_mb)
-    tags = list(dict.fromkeys([req.tag, *body.tags]))
     return TemplateRequestResponse(template_id=req.template_id, build_id=req.build_id, names=[req.alias],
-                                   tags=tags, aliases=[req.alias])
+                                   tags=req.tags, aliases=[req.alias])
 
 
 async def start_template_build(api: ApiContext, templateID: str, buildID: str, body: TemplateBuildStart) -> None:
@@ -70,7 +70,7 @@ async def get_template_build_status(api: ApiContext, templateID: str, buildID: s
     entries = [BuildLogEntry.of(e) for e in view.entries]
     reason = None
     if view.error is not None:
-        reason = BuildStatusReason(message=view.error)
+        reason = BuildStatusReason(message=view.error, step=view.error_step)
     return TemplateBuildInfo(template_id=view.template_id, build_id=view.build_id, status=view.status,
                              logs=[f"{e.timestamp.isoformat()} {e.message}" for e in view.entries],
                              log_entries=entries, reason=reason)
@@ -80,6 +80,7 @@ async def get_template_files(api: ApiContext, templateID: str, hash: str) -> Tem
     _check_hash(hash)
     templates = api.sandboxes.templates
     if (templates.files_dir / f"{hash}.tar").is_file():
+        touch([templates.files_dir / f"{hash}.tar"])  # the build that follows uses it: its expiry starts again
         return TemplateFileUpload(present=True)
     base = request.host_url.rstrip("/")
     url = f"{base}/templates/{templateID}/files/{hash}?token={_upload_token(api, templateID, hash)}"

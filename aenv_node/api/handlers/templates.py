@@ -1,36 +1,87 @@
-"""Template and snapshot routes that read state (no sandbox service needed)."""
+"""Template and snapshot routes: listings read state directly; tags go through the template service (a tag that
+moves or goes may free a snapshot: the collector is asked)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from quart import request
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ...state import Sandbox as SandboxRow
 from ...state import Snapshot as SnapshotRow
 from ...state import SnapshotKind, SnapshotStatus, TemplateKind
 from ...state import Template as TemplateRow
+from ...state import TemplateBuild as TemplateBuildRow
+from ...templates import find_template, split_name
 from ..context import ApiContext, Handler
 from ..errors import ApiError
-from ..models import SnapshotDetail, Template, TemplateAlias
+from ..models import SnapshotDetail
+from ..template_models import (
+    AssignedTags,
+    AssignTags,
+    DeleteTags,
+    Template,
+    TemplateAlias,
+    TemplateBuildSummary,
+    TemplateTag,
+    TemplateUsage,
+    TemplateWithBuilds,
+)
 from .node import query_int
 
 
+def _usage(s: Session, template_ids: list[str]) -> dict[str, TemplateUsage]:
+    """Each template's latest ready build, build count and sandboxes started from it (three grouped queries)."""
+    if not template_ids:
+        return {}
+    builds = dict(s.execute(select(TemplateBuildRow.template_id, func.count()).where(
+        TemplateBuildRow.template_id.in_(template_ids)).group_by(TemplateBuildRow.template_id)).all())
+    spawns = {tid: (n, last) for tid, n, last in s.execute(
+        select(SandboxRow.template_id, func.count(), func.max(SandboxRow.started_at))
+        .where(SandboxRow.template_id.in_(template_ids)).group_by(SandboxRow.template_id))}
+    latest = dict(s.execute(select(TemplateRow.id, TemplateBuildRow.id).join(
+        TemplateBuildRow, TemplateBuildRow.snapshot_id == TemplateRow.boot_snapshot_id).where(
+        TemplateRow.id.in_(template_ids))).all())
+    return {tid: TemplateUsage(build_id=latest.get(tid, ""), build_count=builds.get(tid, 0),
+                               spawn_count=spawns.get(tid, (0, None))[0], last_spawned_at=spawns.get(tid, (0, None))[1])
+            for tid in template_ids}
+
+
+def _listed(s: Session, limit: int | None = None, after: str | None = None) -> list[Template]:
+    q = select(TemplateRow).where(TemplateRow.kind == TemplateKind.TEMPLATE).order_by(TemplateRow.created_at,
+                                                                                       TemplateRow.id)
+    rows = list(s.scalars(q))
+    if after is not None:
+        rows = rows[next((i + 1 for i, t in enumerate(rows) if t.id == after), len(rows)):]
+    if limit is not None:
+        rows = rows[:limit]
+    usage = _usage(s, [t.id for t in rows])
+    return [Template.from_row(t, usage[t.id]) for t in rows]
+
+
 async def list_templates(api: ApiContext) -> list[Template]:
-    def work(s: Session) -> list[Template]:
-        q = select(TemplateRow).where(TemplateRow.kind == TemplateKind.TEMPLATE).order_by(TemplateRow.created_at)
-        return [Template.from_row(t) for t in s.scalars(q)]
-
-    return await api.node.db.run(work)
+    return await api.node.db.run(_listed)
 
 
-async def get_template(api: ApiContext, templateID: str) -> Template:
-    def work(s: Session) -> Optional[Template]:
-        t = s.get(TemplateRow, templateID)
+async def list_templates_v2(api: ApiContext) -> list[Template]:
+    """``GET /v2/templates``: the same list, paged (``limit``, and ``nextToken``: the last template id seen)."""
+    limit = query_int("limit", 100, lo=1, hi=1000)
+    after = request.args.get("nextToken") or None
+    return await api.node.db.run(_listed, limit, after)
+
+
+async def get_template(api: ApiContext, templateID: str) -> TemplateWithBuilds:
+    def work(s: Session) -> Optional[TemplateWithBuilds]:
+        t = find_template(s, split_name(templateID)[0])
         if t is None:
-            t = s.scalars(select(TemplateRow).where(TemplateRow.alias == templateID)).first()
-        return Template.from_row(t) if t is not None else None
+            return None
+        builds = s.scalars(select(TemplateBuildRow).where(TemplateBuildRow.template_id == t.id)
+                           .order_by(TemplateBuildRow.started_at.desc())).all()
+        return TemplateWithBuilds.model_validate({
+            **Template.fields_of(t, _usage(s, [t.id])[t.id]),
+            "builds": [TemplateBuildSummary.from_row(b, t) for b in builds]})
 
     out = await api.node.db.run(work)
     if out is None:
@@ -40,13 +91,27 @@ async def get_template(api: ApiContext, templateID: str) -> Template:
 
 async def get_template_alias(api: ApiContext, alias: str) -> TemplateAlias:
     def work(s: Session) -> Optional[str]:
-        t = s.scalars(select(TemplateRow).where(TemplateRow.alias == alias)).first()
+        t = s.scalars(select(TemplateRow).where(TemplateRow.alias == split_name(alias)[0])).first()
         return t.id if t is not None else None
 
     tid = await api.node.db.run(work)
     if tid is None:
         raise ApiError(404, f"template alias {alias} not found")
     return TemplateAlias(template_id=tid, public=False)
+
+
+async def get_template_tags(api: ApiContext, templateID: str) -> list[TemplateTag]:
+    tags = await api.sandboxes.templates.tags(templateID)
+    return [TemplateTag(tag=t.tag, build_id=t.build_id, created_at=t.created_at) for t in tags]
+
+
+async def assign_template_tags(api: ApiContext, body: AssignTags) -> AssignedTags:
+    build_id, tags = await api.sandboxes.templates.assign_tags(body.target, body.tags)
+    return AssignedTags(tags=tags, build_id=build_id)
+
+
+async def delete_template_tags(api: ApiContext, body: DeleteTags) -> None:
+    await api.sandboxes.templates.remove_tags(body.name, body.tags)
 
 
 _LISTED_KINDS = (SnapshotKind.USER, SnapshotKind.PAUSE, SnapshotKind.PERIODIC)
@@ -91,6 +156,10 @@ async def snapshot_lineage(api: ApiContext, snapshotID: str) -> list[SnapshotDet
 
 HANDLERS: dict[str, Handler] = {
     "list_templates": list_templates,
+    "list_templates_v2": list_templates_v2,
+    "get_template_tags": get_template_tags,
+    "assign_template_tags": assign_template_tags,
+    "delete_template_tags": delete_template_tags,
     "get_template": get_template,
     "get_template_alias": get_template_alias,
     "list_snapshots": list_snapshots,
