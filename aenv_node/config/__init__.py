@@ -120,6 +120,7 @@ class ImagesSection:
     registries: tuple[str, ...] = ("docker.io",)
     insecure_registries: tuple[str, ...] = ()
     pull_concurrency: int = 4
+    ca_bundle: str = ""
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class TemplatesSection:
     ready_timeout_s: float = 300.0
     max_concurrent_builds: int = 2
     code_interpreter: bool = True
+    cache_ttl_s: float = 604800.0
 
 
 @dataclass(frozen=True)
@@ -359,5 +361,9 @@ def _validate(cfg: Config) -> None:
                           "(interval 0 turns the repository collection off)")
     if cfg.sandbox.default_timeout_s > cfg.sandbox.max_timeout_s:
         raise ConfigError("config sandbox: default_timeout_s exceeds max_timeout_s")
+    if cfg.images.ca_bundle and not os.access(cfg.images.ca_bundle, os.R_OK):
+        raise ConfigError(f"config images.ca_bundle: {cfg.images.ca_bundle!r} is not a readable file")
+    if cfg.templates.cache_ttl_s < 0:
+        raise ConfigError("config templates.cache_ttl_s must be >= 0")
     if cfg.snapshot.capture_buffer_mib < 0 or cfg.snapshot.capture_buffers < 0:
         raise ConfigError("config snapshot: capture_buffer_mib and capture_buffers must be >= 0")

@@ -8,9 +8,9 @@ create that names a template being built waits for that build; a template whose 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
-import re
 import shutil
 import signal
 import uuid
@@ -30,17 +30,21 @@ from ..state import (
     Sandbox,
     SandboxState,
     Snapshot,
+    SnapshotKind,
     SnapshotStatus,
     Template,
     TemplateBuild,
     TemplateKind,
+    TemplateTag,
     new_id,
     utcnow,
 )
 from ..state.repository import record_event
 from ..templates import (
     CODE_INTERPRETER,
-    BaseTemplateInputs,
+    DEFAULT_TAG,
+    NAME_PART,
+    BuildMachine,
     BuildLog,
     ImageConverter,
     LogEntry,
@@ -49,21 +53,27 @@ from ..templates import (
     TemplateBuildError,
     build_recipe,
     code_interpreter_recipe,
+    assign_tags,
     ensure_base_template,
+    expire_converted_layers,
+    expired_files,
+    find_template,
+    lookup,
+    parent_template,
     prepare_code_interpreter_files,
+    split_name,
+    touch,
 )
+from .builds_in_progress import BuildsInProgress
 from .errors import NodeNotReady, TemplateBuildFailed, TemplateNotFound, TemplateNotReady, TemplateRequestError
 from .parts import NodeParts
 
-__all__ = ["BuildRequest", "BuildStatusView", "TemplateService", "envd_version"]
+__all__ = ["BuildRequest", "BuildStatusView", "TagView", "TemplateService", "envd_version"]
 
 log = logging.getLogger(__name__)
 
 #: how long a create waits for a build of its template in progress
 _BUILD_WAIT_S = 600
-
-
-_ALIAS = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -73,13 +83,25 @@ class BuildStatusView:
     status: BuildStatus
     entries: list[LogEntry]
     error: str | None
+    error_step: str | None
 
 
-def _fail_build(s: Session, build_id: str, message: str) -> None:
-    """Mark a build failed (and its template, when it has no ready snapshot) with the reason."""
+@dataclass(frozen=True)
+class TagView:
+    tag: str
+    build_id: str
+    created_at: dt.datetime
+
+
+def _fail_build(s: Session, build_id: str, message: str, step: str | None = None) -> None:
+    """Mark a build failed (and its template, when it has no ready snapshot) with the reason and the stage it
+    stopped at (``BuildLog.stage``)."""
     b = s.get(TemplateBuild, build_id)
-    if b is None or b.status in (BuildStatus.READY, BuildStatus.ERROR):
+    if b is None or b.status == BuildStatus.READY:
         return
+    b.error_step = step or b.error_step
+    if b.status == BuildStatus.ERROR:
+        return  # build_template recorded it (its reason stands)
     b.status, b.error, b.finished_at = BuildStatus.ERROR, message, utcnow()
     t = s.get(Template, b.template_id)
     if t is not None and t.boot_snapshot_id is None:
@@ -92,7 +114,7 @@ def _mark_building(s: Session, build_id: str) -> None:
     """A build's turn came: it is building from here (its pull and conversion included)."""
     b = s.get(TemplateBuild, build_id)
     if b is not None and b.status == BuildStatus.WAITING:
-        b.status = BuildStatus.BUILDING
+        b.status, b.started_at = BuildStatus.BUILDING, utcnow()
         record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=b.template_id,
                      from_state=BuildStatus.WAITING, to_state=BuildStatus.BUILDING, detail={"build_id": build_id})
 
@@ -145,7 +167,7 @@ class BuildRequest:
     template_id: str
     build_id: str
     alias: str
-    tag: str
+    tags: list[str]
     vcpus: int
     mem_mib: int
     disk_size_mb: int
@@ -157,7 +179,8 @@ class TemplateService:
     def __init__(self, parts: NodeParts, *, build_default: bool = True) -> None:
         self.parts = parts
         self.build_default = build_default
-        self._builds: dict[str, trio.Event] = {}
+        self._in_progress = BuildsInProgress()
+        self._started: set[str] = set()  # build ids started since this node started
         self._errors: dict[str, str] = {}
         self._logs: dict[str, BuildLog] = {}
         self._nursery: trio.Nursery | None = None
@@ -183,39 +206,85 @@ class TemplateService:
                 shutil.rmtree(self.parts.cfg.state_dir / "builds" / b / "upper", ignore_errors=True)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            tid = self.parts.cfg.sandbox.default_template
+            # creates naming the node's own templates wait for their builds from the first request on
+            own = self._in_progress.enter([tid, *self._builtin_names()] if self.build_default else [])
+            nursery.start_soon(self._expire_caches_forever)
             task_status.started()
-            if self.build_default:
-                tid = self.parts.cfg.sandbox.default_template
-                try:
-                    await self.ensure_base(tid)
-                except Exception as exc:
-                    log.error("building the default template %r failed: %s", tid, exc)
-                else:
-                    if self.parts.cfg.templates.code_interpreter:
-                        try:
-                            await self.ensure_code_interpreter()
-                        except Exception as exc:
-                            log.error("building %r failed: %s", CODE_INTERPRETER, exc)
+            try:
+                if self.build_default:
+                    await self._build_own(tid)
+            finally:
+                self._in_progress.leave(own)
             await trio.sleep_forever()
 
+    async def _expire_caches_forever(self) -> None:
+        while True:
+            try:
+                await self.expire_caches()
+            except Exception:
+                log.exception("expiring the template caches failed; retrying later")
+            await trio.sleep(self.parts.cfg.snapshot.gc_interval_s)
+
+    async def expire_caches(self) -> tuple[int, int]:
+        """Let go of converted layers, uploads and blobs no build used for ``templates.cache_ttl_s``
+        (``templates/cache_expiry.py``). Returns (layer chains dropped, files removed)."""
+        ttl = self.parts.cfg.templates.cache_ttl_s
+        gone = await self.parts.db.run(expire_converted_layers, utcnow() - dt.timedelta(seconds=ttl),
+                                       self.converter.in_use())
+        if gone:
+            self.parts.gc.request("layer_cache_expiry")  # their layer files go with the next collection
+        files: list[Path] = []
+        if not self._in_progress.any():
+            files = await trio.to_thread.run_sync(expired_files, self._cached_file_dirs(), ttl)
+            for p in files:
+                if self._in_progress.any():
+                    break
+                p.unlink(missing_ok=True)
+        if gone or files:
+            log.info("template caches: %d converted layer chains and %d files unused for %.0f s let go",
+                     len(gone), len(files), ttl)
+        return len(gone), len(files)
+
+    def _cached_file_dirs(self) -> list[Path]:
+        return [self.files_dir, self.parts.cfg.images_cache_dir / "oci" / "blobs"]
+
+    async def _build_own(self, tid: str) -> None:
+        try:
+            await self.ensure_base(tid)
+        except Exception as exc:
+            log.error("building the default template %r failed: %s", tid, exc)
+            return
+        if self.parts.cfg.templates.code_interpreter:
+            try:
+                await self.ensure_code_interpreter()
+            except Exception as exc:
+                log.error("building %r failed: %s", CODE_INTERPRETER, exc)
+
     # -- builds from recipes (the E2B template build API) -------------------------------------------------------
-    async def register_build(self, name: str, *, cpu_count: int | None, memory_mb: int | None,
+    async def register_build(self, name: str, *, tags: list[str], cpu_count: int | None, memory_mb: int | None,
                              min_free_disk_mb: int | None) -> BuildRequest:
-        """A new build of the template named ``name`` (``alias`` or ``alias:tag``), waiting for its recipe."""
-        alias, _, tag = name.partition(":")
-        if not _ALIAS.fullmatch(alias) or (tag and not _ALIAS.fullmatch(tag)):
+        """A new build of the template named ``name`` (``alias`` or ``alias:tag``), waiting for its recipe; when
+        it succeeds it takes the name's tag (``default`` for a bare name) and ``tags``."""
+        alias, sep, tag = name.partition(":")
+        if not NAME_PART.fullmatch(alias) or (sep and not NAME_PART.fullmatch(tag)):
             raise TemplateRequestError(f"template name {name!r}: use lowercase letters, digits, '-', '_' and '.' "
                                        "(optionally ':tag')")
+        self._check_own(alias)
+        all_tags = list(dict.fromkeys([tag or DEFAULT_TAG, *tags]))
+        _check_tags(all_tags)
+        return await self._register(alias, all_tags, name, cpu_count=cpu_count, memory_mb=memory_mb,
+                                    min_free_disk_mb=min_free_disk_mb)
+
+    def _check_own(self, alias: str) -> None:
         if alias in (self.parts.cfg.sandbox.default_template, *self._builtin_names()):
             raise TemplateRequestError(f"template {alias!r} is one of this node's own templates")
-        return await self._register(alias, tag, name, cpu_count=cpu_count, memory_mb=memory_mb,
-                                    min_free_disk_mb=min_free_disk_mb)
 
     def _builtin_names(self) -> tuple[str, ...]:
         return (CODE_INTERPRETER,) if self.parts.cfg.templates.code_interpreter else ()
 
-    async def _register(self, alias: str, tag: str, name: str, *, cpu_count: int | None, memory_mb: int | None,
-                        min_free_disk_mb: int | None) -> BuildRequest:
+    async def _register(self, alias: str, tags: list[str], name: str, *, cpu_count: int | None,
+                        memory_mb: int | None, min_free_disk_mb: int | None) -> BuildRequest:
         sb = self.parts.cfg.sandbox
         vcpus, mem = cpu_count or sb.default_cpu_count, memory_mb or sb.default_memory_mb
         disk = sb.default_disk_size_mb + (min_free_disk_mb or 0)
@@ -228,15 +297,15 @@ class TemplateService:
                              memory_mb=mem, disk_size_mb=disk, envd_version=envd_version())
                 s.add(t)
                 s.flush()
-            s.add(TemplateBuild(id=build_id, template_id=t.id, status=BuildStatus.WAITING, source=name,
+            s.add(TemplateBuild(id=build_id, template_id=t.id, status=BuildStatus.WAITING, source=name, tags=tags,
                                 log_path=str(self._build_dir(build_id) / "build.log.jsonl")))
             record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=t.id,
-                         to_state=BuildStatus.WAITING, detail={"build_id": build_id, "name": name})
+                         to_state=BuildStatus.WAITING, detail={"build_id": build_id, "name": name, "tags": tags})
             return t.id
 
         tid = await self.parts.db.run(work)
         self._logs[build_id] = BuildLog(self._build_dir(build_id) / "build.log.jsonl")
-        return BuildRequest(tid, build_id, alias, tag or "default", vcpus, mem, disk)
+        return BuildRequest(tid, build_id, alias, tags, vcpus, mem, disk)
 
     def _build_dir(self, build_id: str) -> Path:
         return self.parts.cfg.state_dir / "builds" / build_id
@@ -255,18 +324,19 @@ class TemplateService:
         if found is None:
             raise TemplateNotFound(f"build {build_id} of template {template_id} not found")
         t, b = found
-        if b.status != BuildStatus.WAITING or build_id in self._builds:
+        if b.status != BuildStatus.WAITING or build_id in self._started:
             raise TemplateRequestError(f"build {build_id} was already started (status {b.status})")
         if self._nursery is None:
             raise NodeNotReady("the template service is not running")
-        self._builds[build_id] = trio.Event()
-        self._nursery.start_soon(self._run_build, t, build_id, recipe)
+        self._started.add(build_id)
+        touch(self.files_dir / f"{st.files_hash}.tar" for st in recipe.steps if st.files_hash)
+        self._nursery.start_soon(self._run_build, t, build_id, recipe, self._in_progress.enter([t.id, t.alias]))
 
     async def ensure_code_interpreter(self) -> None:
         """Build ``code-interpreter-v1`` from its definition in the repository unless its last ready build was
         made from this definition over the current ``base`` (``templates/builtin.py``)."""
         cfg = self.parts.cfg
-        ev = self._builds.setdefault(CODE_INTERPRETER, trio.Event())
+        own = self._in_progress.enter([CODE_INTERPRETER])
         try:
             files_hash = await trio.to_thread.run_sync(prepare_code_interpreter_files,
                                                        cfg.images_cache_dir / "wheels", self.files_dir)
@@ -286,28 +356,33 @@ class TemplateService:
             marker, ok = await self.parts.db.run(current)
             if ok:
                 return
-            req = await self._register(CODE_INTERPRETER, "default", CODE_INTERPRETER, cpu_count=None,
+            req = await self._register(CODE_INTERPRETER, [DEFAULT_TAG], CODE_INTERPRETER, cpu_count=None,
                                        memory_mb=None, min_free_disk_mb=None)
             t = await self.parts.db.run(lambda s: s.get(Template, req.template_id))
             assert t is not None
-            self._builds[req.build_id] = trio.Event()
-            await self._run_build(t, req.build_id, code_interpreter_recipe(files_hash, base), description=marker)
+            await self._run_build(t, req.build_id, code_interpreter_recipe(files_hash, base),
+                                  self._in_progress.enter([t.id, t.alias]), description=marker)
         finally:
-            ev.set()
+            self._in_progress.leave(own)
 
-    async def _run_build(self, t: Template, build_id: str, recipe: Recipe, *, description: str | None = None) -> None:
+    async def _run_build(self, t: Template, build_id: str, recipe: Recipe, keys: tuple[str, ...], *,
+                         description: str | None = None) -> None:
+        """One build, from its recipe; ``keys``: what ``BuildsInProgress.enter`` gave for it (left at the end)."""
         blog = self._logs.setdefault(build_id, BuildLog(self._build_dir(build_id) / "build.log.jsonl"))
-        ev = self._builds[build_id]
         try:
+            parent = parent_template(recipe, self.parts.cfg.sandbox.default_template)
+            if parent is not None and self._in_progress.busy(split_name(parent)[0]):
+                blog.info(f"waiting for the build of {parent} in progress")
+                await self._wait_build_of(parent)  # before taking a slot: its parent may need one
             if self._limiter.borrowed_tokens >= self._limiter.total_tokens:
                 blog.info("waiting for a build slot (templates.max_concurrent_builds)")
-            async with self._limiter:
+            async with self._limiter, self.converter.session():
                 await self.parts.db.run(_mark_building, build_id)
                 blog.info(f"building {t.alias or t.id} from {recipe.source}")
-                await build_recipe(self.parts.db, self.parts.running_pool(), self.converter, self._recipe_inputs(),
+                await build_recipe(self._machine(), self.converter, self._recipe_inputs(),
                                    template_id=t.id, alias=t.alias, build_id=build_id, recipe=recipe,
                                    vcpus=t.cpu_count, mem_mib=t.memory_mb, disk_size_mb=t.disk_size_mb,
-                                   build_log=blog, wait_template=self._wait_build_of, description=description)
+                                   build_log=blog, description=description)
             self.parts.gc.request("template_build")
         except trio.Cancelled:
             with trio.CancelScope(shield=True):
@@ -316,10 +391,10 @@ class TemplateService:
         except Exception as exc:
             message = str(exc) if isinstance(exc, (TemplateBuildError, ImageError)) else f"{type(exc).__name__}: {exc}"
             blog.add(f"build failed: {message}", level="error")
-            log.warning("template %s build %s failed: %s", t.alias or t.id, build_id, message)
-            await self.parts.db.run(_fail_build, build_id, message)
+            log.warning("template %s build %s failed at %s: %s", t.alias or t.id, build_id, blog.stage, message)
+            await self.parts.db.run(_fail_build, build_id, message, blog.stage)
         finally:
-            ev.set()
+            self._in_progress.leave(keys)
 
     async def delete(self, name: str) -> bool:
         """Delete the built template ``name`` (an id or alias); False if there is none. Its alias is free at once
@@ -328,7 +403,7 @@ class TemplateService:
         last one. The node's own templates cannot be deleted, nor one with a build in progress."""
 
         def work(s: Session) -> Optional[bool]:
-            t = s.get(Template, name) or s.scalars(select(Template).where(Template.alias == name)).first()
+            t = find_template(s, name)
             if t is None or t.kind != TemplateKind.TEMPLATE:
                 return None
             if t.alias in (self.parts.cfg.sandbox.default_template, *self._builtin_names()) or t.id == \
@@ -336,17 +411,19 @@ class TemplateService:
                 return False
             busy = s.scalars(select(TemplateBuild.id).where(
                 TemplateBuild.template_id == t.id, TemplateBuild.status == BuildStatus.BUILDING)).first()
-            if busy is not None or any(b in self._builds and not self._builds[b].is_set() for b in
-                                       s.scalars(select(TemplateBuild.id).where(TemplateBuild.template_id == t.id))):
+            if busy is not None or self._in_progress.busy(t.id):
                 raise TemplateRequestError(f"template {name!r} has a build in progress; delete it after")
             users = s.scalar(select(func.count()).select_from(Sandbox).where(
                 Sandbox.template_id == t.id, Sandbox.state != SandboxState.KILLED)) or 0
-            sn = s.get(Snapshot, t.boot_snapshot_id) if t.boot_snapshot_id else None
-            if sn is not None and sn.status == SnapshotStatus.COMMITTED:
+            snapshots = s.scalars(select(Snapshot).where(
+                Snapshot.template_id == t.id, Snapshot.kind == SnapshotKind.BOOT,
+                Snapshot.status == SnapshotStatus.COMMITTED)).all()
+            for sn in snapshots:  # every build's, tagged or not: the collector keeps those sandboxes stand on
                 sn.status = SnapshotStatus.DELETED
             record_event(s, "template_delete", subject=EventSubject.TEMPLATE, subject_id=t.id,
                          from_state=t.status, to_state="deleted",
-                         detail={"alias": t.alias, "snapshot_id": t.boot_snapshot_id, "sandboxes_not_killed": users})
+                         detail={"alias": t.alias, "snapshot_id": t.boot_snapshot_id,
+                                 "snapshots": [sn.id for sn in snapshots], "sandboxes_not_killed": users})
             s.delete(t)
             return True
 
@@ -359,21 +436,85 @@ class TemplateService:
         return True
 
     async def _wait_build_of(self, name: str) -> None:
-        ev = self._builds.get(name)
-        if ev is not None and not ev.is_set():
-            with trio.move_on_after(_BUILD_WAIT_S):
-                await ev.wait()
+        """Wait (at most ``_BUILD_WAIT_S``) for the build in progress of the template ``name`` (``alias:tag``
+        too) when nothing it names is ready yet; a template with a ready build serves that one meanwhile."""
+        async def ready() -> bool:
+            found = await self.parts.db.run(lookup, name)
+            return found is not None and found.snapshot is not None
 
-    def _recipe_inputs(self) -> RecipeInputs:
+        await self._in_progress.wait(split_name(name)[0], ready, _BUILD_WAIT_S)
+
+    # -- tags -------------------------------------------------------------------------------------------------
+    async def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        """Point ``tags`` at the build ``target`` names (``name:tag``; a bare name: its default build). Returns
+        the build id and the tags."""
+        _check_tags(tags)
+
+        def work(s: Session) -> str:
+            found = lookup(s, target)
+            if found is None or found.build_id is None or found.snapshot is None:
+                raise TemplateNotFound(f"template {target!r} not found or has no ready build")
+            self._check_own(found.template.alias or found.template.id)
+            assign_tags(s, found.template.id, found.build_id, tags)
+            return found.build_id
+
+        build_id = await self.parts.db.run(work)
+        self.parts.gc.request("template_tags")  # a tag that moved may leave a build's snapshot unreachable
+        return build_id, list(dict.fromkeys(tags))
+
+    async def remove_tags(self, name: str, tags: list[str]) -> None:
+        """Remove ``tags`` from the template ``name``; a build no tag names any more keeps its snapshot only
+        while it is the template's latest or a sandbox stands on it."""
+
+        def work(s: Session) -> None:
+            t = find_template(s, split_name(name)[0])
+            if t is None:
+                raise TemplateNotFound(f"template {name!r} not found")
+            self._check_own(t.alias or t.id)
+            rows = [s.get(TemplateTag, (t.id, tag)) for tag in dict.fromkeys(tags)]
+            missing = [tag for tag, row in zip(tags, rows) if row is None]
+            if missing:
+                raise TemplateNotFound(f"template {name!r} has no tag {', '.join(missing)}")
+            for row in rows:
+                s.delete(row)
+            record_event(s, "template_untag", subject=EventSubject.TEMPLATE, subject_id=t.id,
+                         detail={"tags": {r.tag: r.build_id for r in rows if r is not None}})
+
+        await self.parts.db.run(work)
+        self.parts.gc.request("template_tags")
+
+    async def tags(self, name: str) -> list[TagView]:
+        """The tags of the template ``name`` and the builds they name, oldest first."""
+
+        def work(s: Session) -> list[TagView] | None:
+            t = find_template(s, split_name(name)[0])
+            if t is None:
+                return None
+            rows = s.scalars(select(TemplateTag).where(TemplateTag.template_id == t.id)
+                             .order_by(TemplateTag.created_at)).all()
+            return [TagView(r.tag, r.build_id, r.created_at) for r in rows]
+
+        out = await self.parts.db.run(work)
+        if out is None:
+            raise TemplateNotFound(f"template {name!r} not found")
+        return out
+
+    def _machine(self) -> BuildMachine:
+        """The build machine every build of this node boots (its own ``base`` and recipes alike)."""
         p = self.parts
         cfg = p.cfg
+        return BuildMachine(
+            db=p.db, pool=p.running_pool(), driver=p.driver, accel=p.accel, frontend=p.frontend,
+            free_page_reporting=p.free_page_reporting, images_cache_dir=cfg.images_cache_dir,
+            layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir, work_root=cfg.state_dir / "builds",
+            run_root=cfg.run_dir, envd_version=envd_version(), boot_timeout_s=cfg.templates.boot_timeout_s)
+
+    def _recipe_inputs(self) -> RecipeInputs:
+        cfg = self.parts.cfg
         return RecipeInputs(
-            driver=p.driver, accel=p.accel, frontend=p.frontend, free_page_reporting=p.free_page_reporting,
-            images_cache_dir=cfg.images_cache_dir, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
-            work_root=cfg.state_dir / "builds", run_root=cfg.run_dir, files_dir=self.files_dir,
-            envd_version=envd_version(), boot_timeout_s=cfg.templates.boot_timeout_s,
-            ready_timeout_s=cfg.templates.ready_timeout_s, registries=cfg.images.registries,
+            files_dir=self.files_dir, ready_timeout_s=cfg.templates.ready_timeout_s, registries=cfg.images.registries,
             insecure_registries=cfg.images.insecure_registries, pull_concurrency=cfg.images.pull_concurrency,
+            ca_bundle=Path(cfg.images.ca_bundle) if cfg.images.ca_bundle else None,
             base_template=cfg.sandbox.default_template)
 
     async def build_status(self, template_id: str, build_id: str, offset: int) -> BuildStatusView:
@@ -389,24 +530,15 @@ class TemplateService:
         blog = self._logs.get(build_id)
         if blog is None:
             blog = BuildLog.load(self._build_dir(build_id) / "build.log.jsonl")
-        return BuildStatusView(b.template_id, b.id, b.status, blog.entries(offset), b.error)
-
-    def _inputs(self) -> BaseTemplateInputs:
-        p = self.parts
-        cfg = p.cfg
-        return BaseTemplateInputs(
-            driver=p.driver, accel=p.accel, frontend=p.frontend, free_page_reporting=p.free_page_reporting,
-            images_cache_dir=cfg.images_cache_dir, layers_dir=cfg.layers_dir, snapshots_dir=cfg.templates_dir,
-            work_root=cfg.state_dir / "builds", run_root=cfg.run_dir, vcpus=cfg.sandbox.default_cpu_count,
-            mem_mib=cfg.sandbox.default_memory_mb, disk_size_mb=cfg.sandbox.default_disk_size_mb,
-            envd_version=envd_version(), boot_timeout_s=cfg.templates.boot_timeout_s)
+        return BuildStatusView(b.template_id, b.id, b.status, blog.entries(offset), b.error, b.error_step)
 
     async def ensure_base(self, template_id: str = "base") -> str:
         """Build the template from the base rootfs and current kit, unless one is ready for this kit."""
-        ev = self._builds.setdefault(template_id, trio.Event())
+        keys = self._in_progress.enter([template_id])
         try:
-            result = await ensure_base_template(self.parts.db, self.parts.running_pool(), template_id,
-                                                self._inputs())
+            sb = self.parts.cfg.sandbox
+            result = await ensure_base_template(self._machine(), template_id, vcpus=sb.default_cpu_count,
+                                                mem_mib=sb.default_memory_mb, disk_size_mb=sb.default_disk_size_mb)
             if result is not None:
                 self.parts.gc.request("template_build")  # a rebuild supersedes the previous boot snapshot
             self._errors.pop(template_id, None)
@@ -415,29 +547,27 @@ class TemplateService:
             self._errors[template_id] = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            ev.set()
+            self._in_progress.leave(keys)
 
     async def resolve(self, name: str) -> tuple[Template, Snapshot]:
-        """The ready template ``name`` (an id or an alias) and its boot snapshot."""
-        ev = self._builds.get(name)
-        if ev is not None and not ev.is_set():
-            with trio.move_on_after(_BUILD_WAIT_S):
-                await ev.wait()
-
-        def work(s: Session) -> Optional[tuple[Template, Optional[Snapshot]]]:
-            t = s.get(Template, name) or s.scalars(select(Template).where(Template.alias == name)).first()
-            if t is None:
-                return None
-            return t, s.get(Snapshot, t.boot_snapshot_id) if t.boot_snapshot_id else None
-
-        found = await self.parts.db.run(work)
+        """The template ``name`` (an id or an alias, with ``:tag`` or not) and the boot snapshot it names."""
+        await self._wait_build_of(name)
+        found = await self.parts.db.run(lookup, name)
         if found is None:
             raise TemplateNotFound(f"template {name!r} not found")
-        t, sn = found
+        if found.missing_tag:
+            raise TemplateNotFound(f"template {split_name(name)[0]!r} has no tag {found.tag!r}")
+        t, sn = found.template, found.snapshot
         if sn is None and t.status == BuildStatus.ERROR and name not in self._errors:
             last = await self.parts.db.run(_last_build_error, t.id)
             raise TemplateBuildFailed(f"template {name!r} has no successful build (the last one failed: {last})")
-        if sn is None or t.status != BuildStatus.READY or sn.status != SnapshotStatus.COMMITTED:
+        if sn is None:
             err = self._errors.get(name)
             raise TemplateNotReady(f"template {name!r} is not ready ({err or t.status}); retry shortly")
         return t, sn
+
+
+def _check_tags(tags: list[str]) -> None:
+    bad = [t for t in tags if not NAME_PART.fullmatch(t)]
+    if bad or not tags:
+        raise TemplateRequestError(f"tags {bad or tags!r}: each is lowercase letters, digits, '-', '_' and '.'")

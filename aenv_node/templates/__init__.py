@@ -1,22 +1,33 @@
 """Template builds: the only place a sandbox machine cold-boots (``build``), the node's own ``base`` template
 kept current with its guest kit and root filesystem (``base``), and templates built from recipes (``recipe``,
 ``recipe_build``): FROM an OCI image (``convert``: layers shared by chain, ``provision``) or another template,
-then steps in a build VM (``steps``)."""
+then steps in a build VM (``steps``); what template names and tags mean (``names``);
+when the build caches let go (``cache_expiry``)."""
 
-from .base import BaseTemplateInputs, base_template_current, ensure_base_template
+from .base import base_template_current, ensure_base_template
+from .cache_expiry import expire_converted_layers, expired_files, touch
 from .builtin import CODE_INTERPRETER, code_interpreter_recipe, prepare_code_interpreter_files
 from .build import BuildResult, GuestDefaults, TemplateSource, build_template
 from .convert import ConvertedImage, ImageConverter
 from .errors import GuestExecError, ImageHasNoShell, TemplateBuildError
+from .machine import BuildMachine
+from .names import DEFAULT_TAG, NAME_PART, NamedBuild, assign_tags, find_template, lookup, split_name
 from .recipe import BuildLog, LogEntry, Recipe, Step
-from .recipe_build import RecipeInputs, build_recipe
+from .recipe_build import RecipeInputs, build_recipe, parent_template
 from .steps import StepFailed
 
 __all__ = [
     "CODE_INTERPRETER",
+    "DEFAULT_TAG",
+    "NAME_PART",
+    "NamedBuild",
+    "assign_tags",
+    "find_template",
+    "lookup",
+    "split_name",
     "code_interpreter_recipe",
     "prepare_code_interpreter_files",
-    "BaseTemplateInputs",
+    "BuildMachine",
     "BuildLog",
     "BuildResult",
     "ConvertedImage",
@@ -34,5 +45,9 @@ __all__ = [
     "base_template_current",
     "build_recipe",
     "build_template",
+    "expire_converted_layers",
+    "expired_files",
+    "touch",
+    "parent_template",
     "ensure_base_template",
 ]

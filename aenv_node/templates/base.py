@@ -5,52 +5,23 @@ kernel or tools drive that no longer exists. Both inputs are cached by content h
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import trio
 from sqlalchemy.orm import Session
 
-from ..images import Kit, ensure_base_rootfs, ensure_kit, kernel_cmdline
-from ..images.kit import host_tsc_khz
-from ..net import SlotPool
-from ..state import BuildStatus, Database, Snapshot, Template
-from ..storage.frontends import DiskFrontend
-from ..vmm import Accel, KernelFormat, VmmDriver
-from .build import BuildResult, TemplateSource, build_template
+from ..images import Kit, ensure_base_rootfs
+from ..state import BuildStatus, Snapshot, Template
+from .build import BuildResult
+from .machine import BuildMachine
 
-__all__ = ["BaseTemplateInputs", "base_template_current", "ensure_base_template"]
+__all__ = ["base_template_current", "ensure_base_template"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class BaseTemplateInputs:
-    """What a build of ``base`` depends on besides the kit and the root filesystem."""
-
-    driver: VmmDriver
-    accel: Accel
-    frontend: DiskFrontend
-    free_page_reporting: bool
-    images_cache_dir: Path
-    layers_dir: Path
-    snapshots_dir: Path
-    work_root: Path
-    run_root: Path
-    vcpus: int
-    mem_mib: int
-    disk_size_mb: int
-    envd_version: str
-    boot_timeout_s: float
-
-
-def kernel_of(kit: Kit, driver: VmmDriver) -> Path:
-    """The kit's kernel image in the format ``driver`` boots."""
-    return kit.vmlinux if driver.kernel_format is KernelFormat.ELF else kit.vmlinuz
-
-
-def base_template_current(s: Session, template_id: str, kit: Kit, rootfs: Path, inputs: BaseTemplateInputs
+def base_template_current(s: Session, template_id: str, kit: Kit, rootfs: Path, machine: BuildMachine
                           ) -> Optional[str]:
     """The template's boot snapshot if it was built from this kit, root filesystem and machine, else None."""
     t = s.get(Template, template_id)
@@ -60,31 +31,23 @@ def base_template_current(s: Session, template_id: str, kit: Kit, rootfs: Path, 
     if sn is None or sn.config is None:
         return None
     shape = sn.config.shape
-    if shape.kernel != str(kernel_of(kit, inputs.driver)) or shape.tools_img != str(kit.tools_img) \
-            or shape.accel != inputs.accel.value or shape.free_page_reporting != inputs.free_page_reporting \
+    if shape.kernel != str(machine.kernel(kit)) or shape.tools_img != str(kit.tools_img) \
+            or shape.accel != machine.accel.value or shape.free_page_reporting != machine.free_page_reporting \
             or sn.config.rootfs != str(rootfs):
         return None
     return t.boot_snapshot_id
 
 
-async def ensure_base_template(db: Database, pool: SlotPool, template_id: str,
-                               inputs: BaseTemplateInputs) -> Optional[BuildResult]:
+async def ensure_base_template(machine: BuildMachine, template_id: str, *, vcpus: int, mem_mib: int,
+                               disk_size_mb: int) -> Optional[BuildResult]:
     """Build the template from the base rootfs and current kit unless one is current; the build, or None."""
-    kit = await trio.to_thread.run_sync(ensure_kit, inputs.images_cache_dir)
-    rootfs = await trio.to_thread.run_sync(ensure_base_rootfs, inputs.images_cache_dir)
-    if await db.run(base_template_current, template_id, kit, rootfs, inputs) is not None:
+    kit = await machine.kit()
+    rootfs = await trio.to_thread.run_sync(ensure_base_rootfs, machine.images_cache_dir)
+    if await machine.db.run(base_template_current, template_id, kit, rootfs, machine) is not None:
         return None
     log.info("building template %r (kit %s)", template_id, kit.hash[:12])
-    tsc = host_tsc_khz() if inputs.accel is Accel.TCG else None
-    source = TemplateSource(rootfs=rootfs, kernel=kernel_of(kit, inputs.driver), initrd=kit.initramfs, tools_img=kit.tools_img,
-                            cmdline=kernel_cmdline(tsc_khz=tsc), kit_hash=kit.hash,
-                            free_page_reporting=inputs.free_page_reporting)
-    result = await build_template(
-        db=db, driver=inputs.driver, accel=inputs.accel.value, pool=pool, frontend=inputs.frontend, source=source,
-        layers_dir=inputs.layers_dir, snapshots_dir=inputs.snapshots_dir, work_root=inputs.work_root,
-        run_root=inputs.run_root, template_id=template_id, alias=template_id, vcpus=inputs.vcpus,
-        mem_mib=inputs.mem_mib, disk_size_mb=inputs.disk_size_mb, envd_version=inputs.envd_version,
-        boot_timeout_s=inputs.boot_timeout_s)
+    result = await machine.build(machine.source(kit, rootfs=rootfs), template_id=template_id, alias=template_id,
+                                 vcpus=vcpus, mem_mib=mem_mib, disk_size_mb=disk_size_mb)
     log.info("template %r ready in %.1fs (boot %.1fs, capture %.0f ms)", template_id, result.duration_s,
              result.boot_s, result.capture_s * 1000)
     return result

@@ -16,8 +16,10 @@ snapshot or layer rows and removes its files.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,7 @@ from ..storage import Image, LayerInfo, LayerReader, LayerRef, import_raw
 from ..storage.frontends import DiskFrontend
 from ..vmm import CaptureKind, CaptureResult, VmmDriver
 from .errors import TemplateBuildError
+from .names import DEFAULT_TAG, assign_tags
 
 __all__ = ["BuildResult", "GuestDefaults", "Prepare", "TemplateSource", "build_template"]
 
@@ -134,6 +137,12 @@ class BuildResult:
     capture_s: float
 
 
+def _vm_name(template_id: str) -> str:
+    """The build VM's name: letters, digits and '-' only (Firecracker's ``--id`` allows no more; ids are
+    ``tpl_<hex>``)."""
+    return "aenv-build-" + re.sub(r"[^A-Za-z0-9-]", "-", template_id)[:53]
+
+
 async def build_template(
     *,
     db: Database,
@@ -161,7 +170,7 @@ async def build_template(
     build VM, before the capture (a recipe's steps, start command and ready check); it may return the
     environment, default user and workdir the template gets instead of the source's."""
     started = time.monotonic()
-    build_id = build_id or new_id("bld_")
+    build_id = build_id or str(uuid.uuid4())  # E2B build ids are UUIDs (the SDKs parse them)
     snapshot_id = new_id("snp_")
     snap_dir = snapshots_dir / snapshot_id
     workdir = work_root / build_id
@@ -221,7 +230,7 @@ async def build_template(
                 t_boot = time.monotonic()
                 async with open_machine(driver, shape, disk=image, slot=slot, workdir=workdir,
                                         run_dir=run_root / build_id, mem_file=snap_dir / "memory",
-                                        name=f"aenv-build-{template_id}", frontend=frontend) as m:
+                                        name=_vm_name(template_id), frontend=frontend) as m:
                     try:
                         await wait_envd(slot.address, timeout=boot_timeout_s)
                     except EnvdUnavailable as exc:
@@ -300,8 +309,11 @@ async def build_template(
             b = s.get(TemplateBuild, build_id)
             assert b is not None
             b.status = BuildStatus.READY
+            b.snapshot_id = snapshot_id
             b.finished_at = utcnow()
-            b.duration_ms = (time.monotonic() - started) * 1000
+            # from its start (a recipe build's turn: its pull and conversion included)
+            b.duration_ms = (b.finished_at - b.started_at).total_seconds() * 1000
+            assign_tags(s, template_id, build_id, b.tags or [DEFAULT_TAG])
             record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=template_id,
                          from_state=BuildStatus.BUILDING, to_state=BuildStatus.READY, duration_ms=b.duration_ms,
                          detail={"build_id": build_id, "snapshot_id": snapshot_id,

@@ -19,13 +19,14 @@ written, nor make the node's memory depend on a layer's size.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,22 +89,44 @@ class ImageConverter:
         self.work_root = work_root
         self.run_root = run_root
         self._locks: dict[str, trio.Lock] = {}
+        self._sessions = 0  # builds in progress (``session``)
+        self._touched: set[str] = set()  # layer digests they found or made
+
+    # -- what builds in progress use ----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        """Hold for a build: while any build is in progress, every converted layer a build found or made counts
+        as in use (``in_use``), so the cache's expiry (``cache_expiry``) leaves it however short its TTL."""
+        self._sessions += 1
+        try:
+            yield
+        finally:
+            self._sessions -= 1
+            if self._sessions == 0:
+                self._touched.clear()
+
+    def in_use(self) -> frozenset[str]:
+        """Layer digests builds in progress found or made."""
+        return frozenset(self._touched)
 
     # -- the cache --------------------------------------------------------------------------------------------
     async def cached(self, chain: str) -> tuple[Path, int] | None:
         """The layer file and virtual size of ``chain`` when converted and still on disk."""
 
-        def q(s: Session) -> tuple[str | None, int] | None:
+        def q(s: Session) -> tuple[str, str | None, int] | None:
             row = s.get(ImageLayer, chain)
             if row is None:
                 return None
+            row.last_used_at = utcnow()  # its time to expire starts again (in this transaction: see cache_expiry)
             layer = s.get(Layer, row.layer_digest)
-            return (layer.local_path, layer.virtual_size_bytes) if layer is not None else None
+            return (layer.digest, layer.local_path, layer.virtual_size_bytes) if layer is not None else None
 
         found = await self.db.run(q)
-        if found is None or found[0] is None or not Path(found[0]).is_file():
+        if found is None or found[1] is None or not Path(found[1]).is_file():
             return None
-        return Path(found[0]), found[1]
+        if self._sessions:
+            self._touched.add(found[0])
+        return Path(found[1]), found[2]
 
     async def record(self, chain: str, parent: str | None, diff_id: str, info: LayerInfo, source: str,
                       convert_ms: float, detail: dict[str, object]) -> None:
@@ -114,11 +137,14 @@ class ImageConverter:
                 s.add(Layer(digest=digest, kind=LayerKind.DISK, size_bytes=info.file_size,
                             virtual_size_bytes=info.virtual_size, local_path=str(info.path), refcount=0))
                 s.flush()
+            now = utcnow()
             s.merge(ImageLayer(chain_id=chain, parent_chain_id=parent, diff_id=diff_id, layer_digest=digest,
-                               first_source=source, convert_ms=convert_ms, created_at=utcnow()))
+                               first_source=source, convert_ms=convert_ms, created_at=now, last_used_at=now))
             record_event(s, "image_layer", subject=EventSubject.IMAGE, subject_id=chain, duration_ms=convert_ms,
                          detail={"diff_id": diff_id, "layer": digest, "bytes": info.file_size, **detail})
 
+        if self._sessions:
+            self._touched.add(digest)
         await self.db.run(write)
 
     # -- steps ------------------------------------------------------------------------------------------------

@@ -21,28 +21,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import trio
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..images import ensure_kit, kernel_cmdline
-from ..images.kit import host_tsc_khz
 from ..images.oci import pull
-from ..net import SlotPool
 from ..snapshot.layers import stack_of
-from ..state import BuildStatus, Database, LayerKind, Snapshot, Template
+from ..state import LayerKind
 from ..storage import LayerInfo
-from ..storage.frontends import DiskFrontend
-from ..vmm import Accel, VmmDriver
-from .base import kernel_of
-from .build import BuildResult, GuestDefaults, TemplateSource, build_template
+from .build import BuildResult, GuestDefaults
 from .convert import ImageConverter
 from .errors import TemplateBuildError
+from .machine import BuildMachine
+from .cache_expiry import touch
+from .names import lookup
 from .recipe import BuildLog, Recipe, Step
 from .guest_exec import run_in_guest
 from .steps import StepState, run_recipe, step_key
 
-__all__ = ["RecipeInputs", "build_recipe", "E2B_BASE_IMAGES"]
+__all__ = ["RecipeInputs", "build_recipe", "E2B_BASE_IMAGES", "parent_template"]
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +45,23 @@ log = logging.getLogger(__name__)
 E2B_BASE_IMAGES = ("e2bdev/base", "e2bdev/base:latest", "docker.io/e2bdev/base", "docker.io/e2bdev/base:latest")
 
 
+def parent_template(recipe: Recipe, base_template: str) -> str | None:
+    """The template ``recipe`` builds FROM (``e2bdev/base`` is the node's base), or None (FROM an image)."""
+    if recipe.from_image in E2B_BASE_IMAGES:
+        return base_template
+    return recipe.from_template or None
+
+
 @dataclass(frozen=True)
 class RecipeInputs:
-    """The node's parts and settings a recipe build uses."""
+    """The node's settings a recipe build uses beside its build machine."""
 
-    driver: VmmDriver
-    accel: Accel
-    frontend: DiskFrontend
-    free_page_reporting: bool
-    images_cache_dir: Path
-    layers_dir: Path
-    snapshots_dir: Path
-    work_root: Path
-    run_root: Path
     files_dir: Path  # COPY archives uploaded by clients, by files hash
-    envd_version: str
-    boot_timeout_s: float
     ready_timeout_s: float
     registries: tuple[str, ...]
     insecure_registries: tuple[str, ...]
     pull_concurrency: int
+    ca_bundle: Path | None  # CAs trusted for registries beside the system's
     base_template: str
 
 
@@ -103,12 +95,8 @@ class _Start:
 
 
 def _template_start(s: Session, name: str) -> _Start | None:
-    t = s.get(Template, name)
-    if t is None:
-        t = s.scalars(select(Template).where(Template.alias == name)).first()
-    if t is None or t.status != BuildStatus.READY or t.boot_snapshot_id is None:
-        return None
-    sn = s.get(Snapshot, t.boot_snapshot_id)
+    found = lookup(s, name)
+    sn = found.snapshot if found is not None else None
     if sn is None or sn.config is None:
         return None
     rows = stack_of(s, sn.id, LayerKind.DISK)
@@ -120,31 +108,30 @@ def _template_start(s: Session, name: str) -> _Start | None:
                   cfg.default_user or "user", _key(f"template-snapshot:{sn.id}"))
 
 
-async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, inputs: RecipeInputs, *,
+async def build_recipe(machine: BuildMachine, converter: ImageConverter, inputs: RecipeInputs, *,
                        template_id: str, alias: str | None, build_id: str, recipe: Recipe, vcpus: int,
                        mem_mib: int, disk_size_mb: int, build_log: BuildLog,
-                       wait_template: Callable[[str], Awaitable[None]] | None = None,
                        description: str | None = None) -> BuildResult:
     """Build ``template_id`` from ``recipe`` (see the module docstring), logging to ``build_log``."""
+    started = time.monotonic()  # the whole build, pull and conversion included (as template_builds.duration_ms)
     say = build_log.info
-    from_template = recipe.from_template
+    from_template = parent_template(recipe, inputs.base_template)
     if recipe.from_image in E2B_BASE_IMAGES:
-        from_template = inputs.base_template
         say(f"{recipe.from_image} is this node's {inputs.base_template!r} template")
     if from_template:
-        if wait_template is not None:
-            await wait_template(from_template)
-        start = await db.run(_template_start, from_template)
+        start = await machine.db.run(_template_start, from_template)
         if start is None:
             raise TemplateBuildError(f"template {from_template!r} does not exist or is not ready on this node")
         say(f"FROM template {from_template} ({len(start.layers)} layers)")
     elif recipe.from_image:
         say(f"pulling {recipe.from_image}")
-        image = await pull(recipe.from_image, store_dir=inputs.images_cache_dir / "oci",
+        image = await pull(recipe.from_image, store_dir=machine.images_cache_dir / "oci",
                            registries=inputs.registries, insecure_registries=inputs.insecure_registries,
                            concurrency=inputs.pull_concurrency, credentials=recipe.credentials,
+                           ca_bundle=inputs.ca_bundle,
                            progress=lambda line: build_log.add(line))
         say(f"pulled {image.canonical} ({len(image.layers)} layers)")
+        touch(layer.path for layer in image.layers)  # blobs found in the store were used again
         converted = await converter.convert(image, progress=say)
         cfg = image.config
         user = cfg.user or "root"
@@ -174,12 +161,7 @@ async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, 
     if recipe.steps:
         say(f"{len(cached_layers)} of {len(recipe.steps)} steps cached" + (" (forced rebuild)" if recipe.force else ""))
 
-    kit = await trio.to_thread.run_sync(ensure_kit, inputs.images_cache_dir)
-    tsc = host_tsc_khz() if inputs.accel is Accel.TCG else None
-    source = TemplateSource(kernel=kernel_of(kit, inputs.driver), initrd=kit.initramfs, tools_img=kit.tools_img,
-                            cmdline=kernel_cmdline(tsc_khz=tsc), kit_hash=kit.hash,
-                            free_page_reporting=inputs.free_page_reporting,
-                            layers=(*start.layers, *cached_layers),
+    source = machine.source(await machine.kit(), layers=(*start.layers, *cached_layers),
                             description=description or start.description, source_digest=start.digest,
                             env_vars=tuple(start.defaults.env_vars.items()),
                             default_user=start.defaults.default_user,
@@ -200,16 +182,12 @@ async def build_recipe(db: Database, pool: SlotPool, converter: ImageConverter, 
 
         state = await run_recipe(host, recipe, state, build_log, files_dir=inputs.files_dir,
                                  ready_timeout_s=inputs.ready_timeout_s, first=first, after_step=after_step)
-        say("snapshotting the build VM")
+        build_log.add("snapshotting the build VM", step="finalize")
         return GuestDefaults(state.env, state.user if state.user_set else start.defaults.default_user,
                              state.workdir)
 
-    result = await build_template(
-        db=db, driver=inputs.driver, accel=inputs.accel.value, pool=pool, frontend=inputs.frontend, source=source,
-        layers_dir=inputs.layers_dir, snapshots_dir=inputs.snapshots_dir, work_root=inputs.work_root,
-        run_root=inputs.run_root, template_id=template_id, alias=alias, vcpus=vcpus, mem_mib=mem_mib,
-        disk_size_mb=disk_size_mb, envd_version=inputs.envd_version, boot_timeout_s=inputs.boot_timeout_s,
-        build_id=build_id, prepare=prepare)
-    say(f"template {alias or template_id} ready in {result.duration_s:.1f}s (boot {result.boot_s:.1f}s, "
+    result = await machine.build(source, template_id=template_id, alias=alias, vcpus=vcpus, mem_mib=mem_mib,
+                                 disk_size_mb=disk_size_mb, build_id=build_id, prepare=prepare)
+    say(f"template {alias or template_id} ready in {time.monotonic() - started:.1f}s (boot {result.boot_s:.1f}s, "
         f"snapshot {result.capture_s * 1000:.0f} ms)")
     return result
