@@ -78,6 +78,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         ("[storage]\nrepository = \"s3\"\n", "needs s3_endpoint"),
         ("[storage]\ncache_low_watermark = 0.99\n", "cache_low_watermark"),
         ("not toml ===", "not valid TOML"),
+        ("[images]\nca_bundle = \"/nonexistent/ca.pem\"\n", "images.ca_bundle: '/nonexistent/ca.pem' is not a readable"),
+        ("[templates]\ncache_ttl_s = -1\n", "templates.cache_ttl_s must be >= 0"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from e2b import Sandbox
+from e2b import Sandbox, Template, wait_for_port
 
 COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done' >/dev/null 2>&1 &"
 
@@ -112,3 +112,23 @@ def ttl_pauses_and_traffic_resumes() -> None:
         assert Sandbox.get_info(sb.sandbox_id).state.value == "running"
     finally:
         Sandbox.kill(sb.sandbox_id)
+
+
+def template_build_from_base() -> None:
+    """A template built by the SDK's builder on this host's VMM: FROM base, a RUN step (sealed as a layer of its
+    own on this VMM's disks), a start command snapshotted running; then a sandbox of it, and a cached rebuild."""
+    t = (Template().from_template("base").run_cmd("echo built-on-the-host > /home/user/built.txt")
+         .set_start_cmd("python3 -m http.server 8090", wait_for_port(8090)))
+    logs: list[str] = []
+    Template.build(t, "host-app", on_build_logs=lambda e: logs.append(e.message))
+    assert "step 1/1 RUN echo built-on-the-host" in "\n".join(logs), logs
+    sb = Sandbox.create("host-app")
+    try:
+        assert sb.files.read("/home/user/built.txt") == "built-on-the-host\n"
+        r = sb.commands.run("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8090/")
+        assert r.stdout == "200", r  # the server started at build time is in the snapshot
+    finally:
+        sb.kill()
+    logs.clear()
+    Template.build(t, "host-app", on_build_logs=lambda e: logs.append(e.message))
+    assert "1 of 1 steps cached" in "\n".join(logs), logs

@@ -40,6 +40,10 @@ def test_ttl_pause_then_auto_resume(host: vm.KvmHost) -> None:
     flows.ttl_pauses_and_traffic_resumes()
 
 
+def test_template_build_from_base(host: vm.KvmHost) -> None:
+    flows.template_build_from_base()
+
+
 def test_a_dead_ublk_disk_takes_down_only_its_sandbox(host: vm.KvmHost) -> None:
     """Sandbox A's ublk device is stopped from outside the node: A ends in error with the reason recorded and
     logged, its Firecracker is gone; sandbox B, served by the same node, goes on working."""

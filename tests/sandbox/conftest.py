@@ -9,6 +9,7 @@ machine (``net.egress = false``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -18,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -146,22 +147,31 @@ def stop_node(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.fixture(scope="session")
-def node() -> Iterator[NodeProcess]:
-    state = Path(tempfile.mkdtemp(prefix="aenv-e2e-", dir="/var/tmp"))
+@contextlib.contextmanager
+def node_in_tmp(prefix: str, **kwargs: Any) -> Iterator[NodeProcess]:
+    """A node (``start_node(state, **kwargs)``) in a fresh state directory under /var/tmp: stopped at the end and
+    its directory removed, also when it fails to start; its log is kept as /var/tmp/<prefix>last-node.log for
+    post-mortems."""
+    state = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
     n = None
     try:
-        n = start_node(state, AENV_API_DOMAIN=DOMAIN, AENV_SANDBOX_TTL_CHECK_INTERVAL_S="0.5",
-                       AENV_SNAPSHOT_COMPACT_AFTER_LAYERS="4")
+        n = start_node(state, **kwargs)
         yield n
     finally:
         if n is not None:
             stop_node(n.proc)
-            try:  # for post-mortems: the state directory goes away
-                shutil.copy(n.log_path, Path("/var/tmp") / "aenv-e2e-last-node.log")
+            try:
+                shutil.copy(n.log_path, Path("/var/tmp") / f"{prefix}last-node.log")
             except OSError:
                 pass
         shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def node() -> Iterator[NodeProcess]:
+    with node_in_tmp("aenv-e2e-", AENV_API_DOMAIN=DOMAIN, AENV_SANDBOX_TTL_CHECK_INTERVAL_S="0.5",
+                     AENV_SNAPSHOT_COMPACT_AFTER_LAYERS="4") as n:
+        yield n
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ server already running. And the failures a user meets: each a build error with i
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -14,13 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox, Template, wait_for_port
+from e2b import BuildInfo, Sandbox, Template, wait_for_port
 from e2b.exceptions import BuildException, SandboxException
 
 from tests.images.oci.images import Images
 from tests.images.oci.conftest import PASSWORD, USER
-from tests.images.oci.servers import Registry, start_registry, stop_registry_process
-from tests.sandbox.conftest import NodeProcess, processes_mentioning, start_node, stop_node
+from tests.images.oci.servers import Registry, self_signed, start_registry, stop_registry_process
+from tests.sandbox.conftest import NodeProcess, node_in_tmp, processes_mentioning, start_node, stop_node
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 
@@ -57,12 +59,15 @@ def busy_image(images: Images, registry: Registry) -> str:
 
 @pytest.fixture(scope="module")
 def auth_registry(oci_tmp: Path, images: Images, busy_image: str) -> Iterator[Registry]:
-    """A registry with htpasswd (Basic) auth, plain HTTP (listed in insecure_registries), holding busy:v1."""
+    """A registry with htpasswd (Basic) auth over TLS, its certificate from a private CA (the node trusts it by
+    images.ca_bundle, not by insecure_registries), holding busy:v1."""
     workdir = oci_tmp / "tbuild-auth-registry"
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "htpasswd").write_bytes(subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], capture_output=True,
                                                       check=True).stdout)
-    reg = start_registry(workdir, auth={"htpasswd": {"realm": "tbuild", "path": str(workdir / "htpasswd")}})
+    cert, key, _ = self_signed(workdir / "tls")
+    reg = start_registry(workdir, auth={"htpasswd": {"realm": "tbuild", "path": str(workdir / "htpasswd")}},
+                         tls=(cert, key))
     try:
         images.skopeo_copy("busy", f"{reg.host}/private/busy:v1", "--dest-creds", f"{USER}:{PASSWORD}")
         yield reg
@@ -72,22 +77,11 @@ def auth_registry(oci_tmp: Path, images: Images, busy_image: str) -> Iterator[Re
 
 @pytest.fixture(scope="module")
 def build_node(registry: Registry, auth_registry: Registry) -> Iterator[NodeProcess]:
-    state = Path(tempfile.mkdtemp(prefix="aenv-tbuild-", dir="/var/tmp"))
-    try:  # a node that fails to start leaves no state directory either
-        node = start_node(state, AENV_IMAGES_INSECURE_REGISTRIES=f"{registry.host},{auth_registry.host}",
-                          AENV_TEMPLATES_READY_TIMEOUT_S="20", AENV_TEMPLATES_BOOT_TIMEOUT_S="90")
-    except BaseException:
-        shutil.rmtree(state, ignore_errors=True)
-        raise
-    try:
+    with node_in_tmp("aenv-tbuild-", AENV_IMAGES_INSECURE_REGISTRIES=registry.host,
+                     AENV_IMAGES_CA_BUNDLE=str(auth_registry.root.parent / "tls" / "cert.pem"),
+                     AENV_TEMPLATES_READY_TIMEOUT_S="20", AENV_TEMPLATES_BOOT_TIMEOUT_S="90",
+                     AENV_TEMPLATES_MAX_CONCURRENT_BUILDS="1") as node:
         yield node
-    finally:
-        stop_node(node.proc)
-        try:
-            shutil.copy(node.log_path, Path("/var/tmp") / "aenv-tbuild-last-node.log")
-        except OSError:
-            pass
-        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture
@@ -170,23 +164,120 @@ def test_python_git_pip_node_in_base_and_a_python_server_from_it(sdk: NodeProces
         sb.kill()
 
 
+def _read(name: str, path: str) -> str:
+    sb = Sandbox.create(name)
+    try:
+        return sb.files.read(path)
+    finally:
+        sb.kill()
+
+
+def _wait_built(infos: list[BuildInfo], timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    for info in infos:
+        while (st := Template.get_build_status(info)).status.value not in ("ready", "error"):
+            assert time.monotonic() < deadline, st
+            time.sleep(1)
+        assert st.status.value == "ready", st.reason
+
+
+def test_tags_name_builds_one_build_at_a_time_and_from_a_template_being_built(sdk: NodeProcess,
+                                                                              busy_image: str) -> None:
+    """``name:tag`` names a build; builds beyond templates.max_concurrent_builds (1 on this node) wait, status
+    "waiting"; a build FROM a template whose first build is under way waits for it (holding no slot) instead of
+    failing; tags move, are listed and removed, and a build no tag names any more is collected."""
+    def stamp(v: str) -> Template:
+        return Template().from_image(busy_image).run_cmd(f"echo {v} > /v")
+
+    b1 = Template.build_in_background(stamp("one"), "tagged:v1")
+    b2 = Template.build_in_background(stamp("two"), "tagged:v2", tags=["latest"])
+    child = Template.build_in_background(Template().from_template("tagged:v1").set_user("root")
+                                         .run_cmd("cat /v > /child"),
+                                         "tagged-child")
+    assert b2.tags == ["v2", "latest"]
+    first = Template.get_build_status(b2, logs_offset=0)
+    assert first.status.value == "waiting", first
+    assert "waiting for a build slot" in "\n".join(e.message for e in first.log_entries)
+    _wait_built([b1, b2, child])
+    logs = "\n".join(e.message for e in Template.get_build_status(child, logs_offset=0).log_entries)
+    assert "waiting for the build of tagged:v1 in progress" in logs and "FROM template tagged:v1" in logs
+    # one at a time: each build began after the one before it ended
+    spans = {b: sdk.sql(f"SELECT started_at, finished_at FROM template_builds WHERE id = '{b}'")[0]
+             for b in (b1.build_id, b2.build_id, child.build_id)}
+    assert spans[b1.build_id][1] <= spans[b2.build_id][0] and spans[b2.build_id][1] <= spans[child.build_id][0]
+
+    assert _read("tagged:v1", "/v") == "one\n" and _read("tagged:v2", "/v") == "two\n"
+    assert _read("tagged:latest", "/v") == "two\n"
+    assert _read("tagged", "/v") == "two\n"  # no `default` tag: a bare name means the latest build
+    assert _read("tagged-child", "/child") == "one\n"
+    tags = {t.tag: t.build_id for t in Template.get_tags("tagged")}
+    assert tags == {"v1": b1.build_id, "v2": b2.build_id, "latest": b2.build_id}
+    assigned = Template.assign_tags("tagged:v1", ["prod"])
+    assert assigned.build_id == b1.build_id and assigned.tags == ["prod"]
+    assert _read("tagged:prod", "/v") == "one\n"
+
+    with sdk.api() as c:
+        listed = {t["aliases"][0]: t for t in c.get("/v2/templates", params={"limit": 1000}).json() if t["aliases"]}
+        assert listed["tagged"]["buildID"] == b2.build_id and listed["tagged"]["buildCount"] == 2
+        assert listed["tagged"]["spawnCount"] >= 5 and listed["tagged"]["lastSpawnedAt"]
+        builds = c.get("/templates/tagged").json()["builds"]
+        assert [b["buildID"] for b in builds] == [b2.build_id, b1.build_id]
+        assert c.post("/templates/tags", json={"target": "tagged:nope", "tags": ["x"]}).status_code == 404
+        r = c.post("/templates/tags", json={"target": "tagged:v1", "tags": ["Bad Tag"]})
+        assert r.status_code == 400 and "lowercase" in r.json()["message"]
+
+    [(snap1,)] = sdk.sql(f"SELECT snapshot_id FROM template_builds WHERE id = '{b1.build_id}'")
+    Template.remove_tags("tagged", ["v1", "prod"])
+    assert {t.tag for t in Template.get_tags("tagged")} == {"v2", "latest"}
+    with pytest.raises(SandboxException, match="404: .*no tag 'v1'"):
+        Sandbox.create("tagged:v1")
+    # the child stands on b1's layers, not on its snapshot: nothing keeps that snapshot now
+    deadline = time.monotonic() + 60
+    while sdk.sql(f"SELECT status FROM snapshots WHERE id = '{snap1}'") != [("collected",)]:
+        assert time.monotonic() < deadline, sdk.sql(f"SELECT status FROM snapshots WHERE id = '{snap1}'")
+        time.sleep(0.5)
+    assert _read("tagged-child", "/child") == "one\n"
+
+
+def test_js_sdk_template_build(sdk: NodeProcess, busy_image: str, tmp_path: Path) -> None:
+    """The JS SDK's ``Template.build`` (its own hashing, tar upload and status polling) against the same API."""
+    js_dir = Path(__file__).resolve().parents[1] / "js"
+    assert shutil.which("node") and (js_dir / "node_modules" / "e2b").is_dir(), "run scripts/setup.sh"
+    script = js_dir / "aenv_template_build.mjs"  # beside node_modules, so that `import 'e2b'` resolves
+    shutil.copy(Path(__file__).parent / "js" / "template_build.mjs", script)
+    try:
+        r = subprocess.run(["node", str(script), busy_image, str(tmp_path), "js-app"], capture_output=True, text=True,
+                           timeout=600, cwd=js_dir, env={**os.environ, **sdk.sdk_env()})
+    finally:
+        script.unlink()
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = {row[0]: row[1:] for row in json.loads(r.stdout.strip().splitlines()[-1])}
+    assert results == {"built": [True], "logs": [True], "exists": [True],
+                       "files": ["copied by the js sdk\n", "js-built\n"], "env": ["yes\n"],
+                       "server": ["copied by the js sdk\n"]}
+
+
 @pytest.mark.parametrize("case", ["unknown image", "failing RUN", "never ready"])
 def test_build_failures_are_errors_with_the_reason(sdk: NodeProcess, busy_image: str, registry: Registry,
                                                    case: str) -> None:
     base = Template().from_image(busy_image)
     if case == "unknown image":
-        t, reason = Template().from_image(f"{registry.host}/nope:v1"), "not found"
+        t, reason, step = Template().from_image(f"{registry.host}/nope:v1"), "not found", "base"
     elif case == "failing RUN":
-        t, reason = base.run_cmd("echo about to fail; exit 3"), "exit status 3: about to fail"
+        t, reason, step = base.run_cmd("true").run_cmd("echo about to fail; exit 3"), "exit status 3: about to fail", "2"
     else:
-        t, reason = base.set_start_cmd("sleep 1000", "false"), "ready command never succeeded within 20s"
+        t, reason, step = base.set_start_cmd("sleep 1000", "false"), "ready command never succeeded within 20s", \
+            "finalize"
     with pytest.raises(BuildException, match=reason):
         Template.build(t, f"broken-{case.replace(' ', '-').lower()}")
-    rows = sdk.sql(f"SELECT b.status, b.error FROM template_builds b JOIN templates t ON t.id = b.template_id "
-                   f"WHERE t.alias = 'broken-{case.replace(' ', '-').lower()}'")
+    rows = sdk.sql(f"SELECT b.status, b.error, b.id, t.id FROM template_builds b JOIN templates t "
+                   f"ON t.id = b.template_id WHERE t.alias = 'broken-{case.replace(' ', '-').lower()}'")
     assert rows and rows[-1][0] == "error" and reason in rows[-1][1]
+    with sdk.api() as c:  # where it stopped, as E2B names it (the SDK points its traceback at that instruction)
+        st = c.get(f"/templates/{rows[-1][3]}/builds/{rows[-1][2]}/status").json()
+    assert st["reason"]["step"] == step and reason in st["reason"]["message"]
     # no VM of the build is left
-    out = subprocess.run(["pgrep", "-f", "aenv-build-tpl_"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "aenv-build-tpl-"], capture_output=True, text=True).stdout
     assert not out.strip(), out
     with pytest.raises(SandboxException, match="400: .* has no successful build"):
         Sandbox.create(f"broken-{case.replace(' ', '-').lower()}")
@@ -279,13 +370,22 @@ def test_a_build_cut_by_a_crash_is_failed_at_restart_and_its_vm_killed(registry:
         node.proc.kill()  # a crash: the build VM outlives the node
         node.proc.wait()
         assert processes_mentioning(str(state / "builds" / bid))
-        node = start_node(state, port=int(node.url.rsplit(":", 1)[1]), AENV_IMAGES_INSECURE_REGISTRIES=registry.host)
+        converted = node.sql("SELECT l.local_path FROM image_layers i JOIN layers l ON l.digest = i.layer_digest")
+        assert converted and all(Path(p).is_file() for (p,) in converted)
+        # restarted with templates.cache_ttl_s = 0: what the cut build converted is let go at start
+        node = start_node(state, port=int(node.url.rsplit(":", 1)[1]), AENV_IMAGES_INSECURE_REGISTRIES=registry.host,
+                          AENV_TEMPLATES_CACHE_TTL_S="0")
         with node.api() as c:
             st = c.get(f"/templates/{tid}/builds/{bid}/status").json()
         assert st["status"] == "error" and "interrupted by a restart" in st["reason"]["message"]
         assert "step 1/1 RUN sleep 600" in str(st["logEntries"])  # the log outlived the crash
         assert not processes_mentioning(str(state / "builds" / bid))
         assert "template builds were cut by the last stop" in node.log()
+        deadline = time.monotonic() + 120
+        while node.sql("SELECT count(*) FROM image_layers") != [(0,)] or any(Path(p).exists() for (p,) in converted):
+            assert time.monotonic() < deadline, node.sql("SELECT chain_id, last_used_at FROM image_layers")
+            time.sleep(0.5)
+        assert node.sql("SELECT count(*) FROM events WHERE operation = 'image_layer_expire'") == [(1,)]
     finally:
         stop_node(node.proc)
         shutil.rmtree(state, ignore_errors=True)

@@ -4,15 +4,12 @@ driven by the unmodified ``e2b_code_interpreter`` SDK; and the step cache makes 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.sandbox.conftest import NodeProcess, start_node, stop_node
+from tests.sandbox.conftest import NodeProcess, node_in_tmp
 
 e2b_code_interpreter = pytest.importorskip("e2b_code_interpreter")
 
@@ -33,22 +30,9 @@ def _wait_ready(node: NodeProcess, name: str, timeout: float = 900) -> None:
 
 @pytest.fixture(scope="module")
 def ci_node() -> Iterator[NodeProcess]:
-    state = Path(tempfile.mkdtemp(prefix="aenv-ci-", dir="/var/tmp"))
-    try:  # a node that fails to start leaves no state directory either
-        node = start_node(state, AENV_TEMPLATES_CODE_INTERPRETER="true")
-    except BaseException:
-        shutil.rmtree(state, ignore_errors=True)
-        raise
-    try:
+    with node_in_tmp("aenv-ci-", AENV_TEMPLATES_CODE_INTERPRETER="true") as node:
         _wait_ready(node, "code-interpreter-v1")
         yield node
-    finally:
-        stop_node(node.proc)
-        try:
-            shutil.copy(node.log_path, Path("/var/tmp") / "aenv-ci-last-node.log")
-        except OSError:
-            pass
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_run_code_with_the_unmodified_sdk(ci_node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
