@@ -68,6 +68,10 @@ def prepare_code_interpreter_files(cache_dir: Path, files_dir: Path) -> str:
     return files_hash
 
 
+#: how long the server's first kernel may take to start in the build VM
+_KERNEL_START_S = 900
+
+
 def code_interpreter_recipe(files_hash: str, base_template: str) -> Recipe:
     venv = f"{_GUEST_DIR}/venv"
     return Recipe(
@@ -78,6 +82,10 @@ def code_interpreter_recipe(files_hash: str, base_template: str) -> Recipe:
                          f"--find-links {_GUEST_DIR}/wheels -r {_GUEST_DIR}/requirements.txt "
                          f"&& rm -rf {_GUEST_DIR}/wheels && chmod -R a+rX {_GUEST_DIR}", "root")),
         ),
-        start_cmd=f"cd /home/user && PYTHONPATH={_GUEST_DIR} exec {venv}/bin/python -m aenv_code_interpreter",
+        # the first kernel start imports IPython and its stack cold: minutes under QEMU TCG on a busy host (only at
+        # build time: every sandbox restores the snapshot with the kernel up)
+        start_cmd=f"cd /home/user && AENV_CI_KERNEL_READY_TIMEOUT_S={_KERNEL_START_S} PYTHONPATH={_GUEST_DIR} "
+                  f"exec {venv}/bin/python -m aenv_code_interpreter",
         ready_cmd=f"curl -sf http://127.0.0.1:{_PORT}/health",
+        ready_timeout_s=_KERNEL_START_S + 60,
     )

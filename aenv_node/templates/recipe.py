@@ -47,6 +47,9 @@ class Recipe:
     start_cmd: str | None = None
     ready_cmd: str | None = None
     force: bool = False
+    #: the ready command's time limit when longer than ``templates.ready_timeout_s`` (a built-in whose start is
+    #: slow under emulation); the API never sets it
+    ready_timeout_s: float | None = None
 
     @property
     def source(self) -> str:

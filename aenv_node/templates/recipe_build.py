@@ -181,7 +181,8 @@ async def build_recipe(machine: BuildMachine, converter: ImageConverter, inputs:
                                    {"step": i, "args": list(step.args)[:4]})
 
         state = await run_recipe(host, recipe, state, build_log, files_dir=inputs.files_dir,
-                                 ready_timeout_s=inputs.ready_timeout_s, first=first, after_step=after_step)
+                                 ready_timeout_s=max(inputs.ready_timeout_s, recipe.ready_timeout_s or 0),
+                                 first=first, after_step=after_step)
         build_log.add("snapshotting the build VM", step="finalize")
         return GuestDefaults(state.env, state.user if state.user_set else start.defaults.default_user,
                              state.workdir)

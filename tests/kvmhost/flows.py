@@ -6,7 +6,9 @@ import time
 
 from e2b import Sandbox, Template, wait_for_port
 
-COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done' >/dev/null 2>&1 &"
+# each value is written whole, then renamed over the last: a read never sees the file truncated and still empty
+COUNTER = ("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; "
+           "sleep 0.2; done' >/dev/null 2>&1 &")
 
 
 def counter(sb: Sandbox) -> int:
