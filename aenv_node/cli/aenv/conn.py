@@ -22,7 +22,7 @@ import httpx
 
 from ... import __version__
 
-__all__ = ["Api", "Conn", "client_config_path", "connection_options", "load_client_config", "save_client_config"]
+__all__ = ["Api", "Conn", "NodeUnreachable", "client_config_path", "connection_options", "load_client_config", "save_client_config"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,6 +64,10 @@ def save_client_config(url: str, key: str) -> Path:
     return path
 
 
+class NodeUnreachable(click.ClickException):
+    """The node did not answer at all (a command working through several ids stops at once)."""
+
+
 class Api:
     """The node's REST API: errors become one line (the node's E2B ``message``, or why it cannot be reached)."""
 
@@ -77,7 +81,7 @@ class Api:
         try:
             resp = self.client.request(method, path, **kw)
         except httpx.HTTPError as exc:
-            raise click.ClickException(f"cannot reach {self.url}: {exc}") from None
+            raise NodeUnreachable(f"cannot reach {self.url}: {exc}") from None
         if resp.status_code >= 400:
             try:
                 message = resp.json()["message"]
@@ -107,6 +111,19 @@ class Conn:
         if request_timeout is not None:
             opts["request_timeout"] = request_timeout
         return opts
+
+
+    def sandbox(self, sandbox_id: str) -> Any:
+        """The e2b SDK's ``Sandbox`` for SANDBOX_ID (a paused one is resumed). The node is asked first over REST,
+        so an unknown id or an unreachable node is the same one line as for every other command."""
+        self.api.request("GET", f"/sandboxes/{sandbox_id}")
+        from e2b import Sandbox
+
+        return Sandbox.connect(sandbox_id, **self.sdk_opts())
+
+    def check(self) -> None:
+        """Fail with one line now if the node cannot be reached or refuses the key (before an SDK call)."""
+        self.api.request("GET", "/node")
 
 
 def connection_options(fn: F) -> F:

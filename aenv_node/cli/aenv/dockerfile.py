@@ -10,6 +10,8 @@ what the issue asks of the CLI, and this module adds:
 - EXPOSE, LABEL, VOLUME and MAINTAINER are ignored with a WARNING naming the line (the SDK ignores them
   silently);
 - a second FROM (multi-stage) is an error naming its line;
+- ``ARG`` declared before ``FROM`` is substituted in the FROM line, as Docker does (the SDK converts FROM before
+  it has seen any ARG and would send ``python:${VERSION}`` as the image); a variable no ARG sets is an error;
 - the SDK's own notices (``print`` to stdout: ignored flags, parser warnings) are captured and returned as
   warnings, so stdout stays clean for ``--json`` and ``-d``.
 
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["SUPPORTED", "IGNORED", "DockerfileError", "ParsedDockerfile", "check_dockerfile", "to_template"]
+__all__ = ["SUPPORTED", "IGNORED", "DockerfileError", "ParsedDockerfile", "check_dockerfile", "expand_from",
+           "to_template"]
 
 SUPPORTED = frozenset({"FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER", "CMD", "ENTRYPOINT"})
 _WHY_IGNORED = {
@@ -85,6 +89,7 @@ def to_template(path: Path, context: Path) -> ParsedDockerfile:
     except (OSError, UnicodeDecodeError) as exc:
         raise DockerfileError(f"cannot read {path}: {exc}") from None
     out = ParsedDockerfile(warnings=check_dockerfile(content, str(path)))
+    content = expand_from(content, str(path))
     notices = io.StringIO()
     try:
         with contextlib.redirect_stdout(notices):
@@ -95,6 +100,38 @@ def to_template(path: Path, context: Path) -> ParsedDockerfile:
         raise DockerfileError(f"{path}: {exc}") from None
     out.warnings += [f"{path}: {line}" for line in notices.getvalue().splitlines() if line.strip()]
     return out
+
+
+def expand_from(content: str, filename: str = "Dockerfile") -> str:
+    """CONTENT with the FROM instruction's image reference expanded from the ARGs declared before it (their
+    defaults); the lines keep their numbers."""
+    from e2b_dockerfile_utils import ShellLex, parse_dockerfile_ast
+
+    ast = parse_dockerfile_ast(content)
+    args: dict[str, str] = {}
+    lex = ShellLex(ast.escape_token)
+    for ins in ast.instructions:
+        if ins.name == "ARG":
+            for arg in ins.args:
+                key, sep, value = arg.partition("=")
+                args[lex.process_word(key)] = lex.process_word(value) if sep else ""
+            continue
+        if ins.name != "FROM":
+            continue
+        if not any("$" in a for a in ins.args):
+            return content
+        for name in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", " ".join(ins.args)):
+            if not args.get(name):
+                raise DockerfileError(f"{filename}:{ins.start_line}: FROM uses ${name}, which no ARG before "
+                                      f"FROM gives a value")
+        env_lex = ShellLex(ast.escape_token, env=args, skip_unset_env=False)
+        words = [env_lex.process_word(a) for a in ins.args]
+        lines = content.splitlines(keepends=True)
+        first, last = ins.start_line - 1, ins.end_line - 1
+        flags = " ".join(ins.flags)
+        lines[first:last + 1] = [f"FROM {flags + ' ' if flags else ''}{' '.join(words)}\n"] + ["\n"] * (last - first)
+        return "".join(lines)
+    return content
 
 
 def _where(filename: str, exc: Any) -> str:

@@ -32,10 +32,10 @@ def exec_cmd(conn: Conn, sandbox_id: str, command: tuple[str, ...], user: str | 
              envs: tuple[str, ...], timeout: float) -> None:
     """Run COMMAND in sandbox ID (put `--` before it): its stdout and stderr are streamed, and aenv exits
     with its exit code. A paused sandbox is resumed first."""
-    from e2b import CommandExitException, Sandbox
+    from e2b import CommandExitException
 
     env = parse_kv(envs, "--env")
-    sandbox = Sandbox.connect(sandbox_id, **conn.sdk_opts())
+    sandbox = conn.sandbox(sandbox_id)
 
     def write(stream: str) -> Callable[[str], None]:
         target = sys.stdout if stream == "out" else sys.stderr

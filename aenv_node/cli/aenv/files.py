@@ -88,9 +88,8 @@ def _guest(sandbox: Any, script: str) -> None:
 def upload_cmd(conn: Conn, sandbox_id: str, local: Path, remote: str, user: str | None) -> None:
     """Copy LOCAL (a file or a directory) to REMOTE in the sandbox. A directory's contents land in REMOTE
     (created if missing); a file is written at REMOTE (parents created)."""
-    from e2b import Sandbox
 
-    sandbox = Sandbox.connect(sandbox_id, **conn.sdk_opts())
+    sandbox = conn.sandbox(sandbox_id)
     if local.is_dir():
         with tempfile.TemporaryFile() as tmp:
             pack_dir(local, tmp)
@@ -125,9 +124,9 @@ def upload_cmd(conn: Conn, sandbox_id: str, local: Path, remote: str, user: str 
 def download_cmd(conn: Conn, sandbox_id: str, remote: str, local: Path | None, user: str | None) -> None:
     """Copy REMOTE (a file or a directory) from the sandbox to LOCAL (default: its name, here). A directory's
     contents land in LOCAL (created if missing); `-` as LOCAL writes a file to stdout."""
-    from e2b import FileType, Sandbox
+    from e2b import FileType
 
-    sandbox = Sandbox.connect(sandbox_id, **conn.sdk_opts())
+    sandbox = conn.sandbox(sandbox_id)
     info = sandbox.files.get_info(remote, user=user)
     target = local if local is not None else Path(os.path.basename(remote.rstrip("/")) or "download")
     if info.type == FileType.DIR:

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from .conn import Conn, connection_options
+from .conn import Conn, NodeUnreachable, connection_options
 from .output import echo_json, err, parse_kv, print_table
 
 __all__ = ["register"]
@@ -130,6 +130,8 @@ def rm_cmd(conn: Conn, sandbox_ids: tuple[str, ...]) -> None:
     for sandbox_id in sandbox_ids:
         try:
             conn.api.request("DELETE", f"/sandboxes/{sandbox_id}")
+        except NodeUnreachable:
+            raise
         except click.ClickException as exc:
             failed += 1
             err(f"{sandbox_id}: {exc.message}")

@@ -40,9 +40,9 @@ def attach_shell(conn: Conn, sandbox_id: str, *, user: str | None = None, cwd: s
     import select
     import signal
 
-    from e2b import CommandExitException, PtySize, Sandbox
+    from e2b import CommandExitException, PtySize
 
-    sandbox = Sandbox.connect(sandbox_id, **conn.sdk_opts())
+    sandbox = conn.sandbox(sandbox_id)
     rows, cols = _terminal_size()
     handle = sandbox.pty.create(PtySize(rows=rows, cols=cols), user=user, cwd=cwd, envs=envs, timeout=0)
     pid = handle.pid

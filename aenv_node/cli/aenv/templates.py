@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import click
 
-from .conn import Conn, connection_options
+from .conn import Conn, NodeUnreachable, connection_options
 from .output import echo_json, err, print_table
 
 __all__ = ["default_name", "register"]
@@ -68,6 +68,7 @@ def _run_build(conn: Conn, template: Any, name: str, *, cpu: Optional[int], mem:
                detach: bool, timeout: Optional[float], as_json: bool) -> None:
     from e2b import Template, wait_for_timeout
 
+    conn.check()
     if start_cmd is not None:
         template = template.set_start_cmd(start_cmd, ready_cmd or wait_for_timeout(20_000))
     elif ready_cmd is not None:
@@ -171,6 +172,8 @@ def template_rm(conn: Conn, names: tuple[str, ...]) -> None:
     for name in names:
         try:
             conn.api.request("DELETE", f"/templates/{name}")
+        except NodeUnreachable:
+            raise
         except click.ClickException as exc:
             failed += 1
             err(f"{name}: {exc.message}")
