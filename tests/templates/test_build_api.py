@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -255,6 +256,41 @@ def test_js_sdk_template_build(sdk: NodeProcess, busy_image: str, tmp_path: Path
     assert results == {"built": [True], "logs": [True], "exists": [True],
                        "files": ["copied by the js sdk\n", "js-built\n"], "env": ["yes\n"],
                        "server": ["copied by the js sdk\n"]}
+
+
+def _aenv(node: NodeProcess, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    sdk = node.sdk_env()
+    env = {**os.environ, "AENV_URL": sdk["E2B_API_URL"], "AENV_API_KEY": sdk["E2B_API_KEY"],
+           "XDG_CONFIG_HOME": "/nonexistent-aenv-test"}
+    return subprocess.run([sys.executable, "-m", "aenv_node.cli.client", *args], capture_output=True, text=True,
+                          timeout=900, cwd=cwd or Path(__file__).resolve().parents[2], env=env)
+
+
+def test_aenv_pull_and_build_from_a_dockerfile(sdk: NodeProcess, busy_image: str, tmp_path: Path) -> None:
+    """``aenv pull`` shows each layer and step as the build goes and ends with the template's name; ``aenv
+    build`` takes a Dockerfile (COPY from its context, RUN, ENV, WORKDIR), warns for what it ignores, and
+    names the line of what it does not support."""
+    r = _aenv(sdk, "pull", busy_image, "--name", "cli-pulled")
+    assert r.returncode == 0, r.stderr
+    assert "layer 1/1" in r.stderr + r.stdout and r.stdout.strip().splitlines()[-1] == "cli-pulled", r
+    (tmp_path / "hello.txt").write_text("hello from the context\n")
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {busy_image}\nCOPY hello.txt /srv/hello.txt\nENV WHO=cli\nWORKDIR /srv\n"
+        "RUN echo built-by-$WHO > /srv/built.txt\nEXPOSE 8080\n")
+    r = _aenv(sdk, "build", str(tmp_path / "Dockerfile"), "--name", "cli-built", "--context", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "line 6" in r.stderr and "EXPOSE" in r.stderr, r.stderr
+    sb = Sandbox.create("cli-built")
+    try:
+        assert sb.commands.run("cat hello.txt built.txt").stdout == "hello from the context\nbuilt-by-cli\n"
+    finally:
+        sb.kill()
+    (tmp_path / "Dockerfile").write_text(f"FROM {busy_image}\nRUN true\nHEALTHCHECK CMD true\n")
+    r = _aenv(sdk, "build", str(tmp_path / "Dockerfile"), "--name", "cli-bad")
+    assert r.returncode != 0 and "line 3" in r.stderr and "HEALTHCHECK" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    listed = json.loads(_aenv(sdk, "template", "ls", "--json").stdout)
+    assert {"cli-pulled", "cli-built"} <= {a for t in listed for a in t.get("aliases", [])}
 
 
 @pytest.mark.parametrize("case", ["unknown image", "failing RUN", "never ready"])
