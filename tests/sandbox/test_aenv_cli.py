@@ -100,6 +100,7 @@ def test_start_attaches_a_shell_with_resize_ctrl_c_and_its_exit_status(sdk_env: 
     sid = None
     try:
         sid = term.expect("; attaching").rsplit("sandbox ", 1)[1].split(" ", 1)[0]
+        term.expect("$ ")  # the prompt: a person types after it (bash drops what came before its line editor)
         term.send("echo $((6*7))-answer\r")
         term.expect("42-answer")
         term.send("stty size\r")
@@ -192,7 +193,7 @@ def test_lifecycle_snapshot_and_fork_commands(sdk_env: NodeProcess) -> None:
         assert r.returncode == 0, r.stderr
         assert aenv(sdk_env, "snapshot", "rm", snap_id).returncode == 0
         events = aenv(sdk_env, "events", "--sandbox", sid, "--json")
-        ops = {e.get("operation") for e in json.loads(events.stdout)}
+        ops = {json.loads(line).get("operation") for line in events.stdout.splitlines()}  # one event per line
         assert {"create", "pause", "resume", "snapshot", "fork"} <= ops, ops
         r = aenv(sdk_env, "pause", "sb-nope")
         assert r.returncode == 1 and r.stderr.startswith("Error: ") and len(r.stderr.splitlines()) == 1

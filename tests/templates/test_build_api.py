@@ -279,7 +279,7 @@ def test_aenv_pull_and_build_from_a_dockerfile(sdk: NodeProcess, busy_image: str
         "RUN echo built-by-$WHO > /srv/built.txt\nEXPOSE 8080\n")
     r = _aenv(sdk, "build", str(tmp_path / "Dockerfile"), "--name", "cli-built", "--context", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert "line 6" in r.stderr and "EXPOSE" in r.stderr, r.stderr
+    assert "Dockerfile:6: EXPOSE ignored" in r.stderr, r.stderr
     sb = Sandbox.create("cli-built")
     try:
         assert sb.commands.run("cat hello.txt built.txt").stdout == "hello from the context\nbuilt-by-cli\n"
@@ -287,7 +287,7 @@ def test_aenv_pull_and_build_from_a_dockerfile(sdk: NodeProcess, busy_image: str
         sb.kill()
     (tmp_path / "Dockerfile").write_text(f"FROM {busy_image}\nRUN true\nHEALTHCHECK CMD true\n")
     r = _aenv(sdk, "build", str(tmp_path / "Dockerfile"), "--name", "cli-bad")
-    assert r.returncode != 0 and "line 3" in r.stderr and "HEALTHCHECK" in r.stderr, r.stderr
+    assert r.returncode != 0 and "Dockerfile:3" in r.stderr and "HEALTHCHECK" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     listed = json.loads(_aenv(sdk, "template", "ls", "--json").stdout)
     assert {"cli-pulled", "cli-built"} <= {a for t in listed for a in t.get("aliases", [])}
