@@ -90,6 +90,35 @@ class Api:
             raise click.ClickException(f"{resp.status_code}: {' '.join(str(message).split())}")
         return resp
 
+    def pages(self, path: str, params: dict[str, str]) -> list[Any]:
+        """Every item of a listing the node pages with ``x-next-token`` (the SDK's pagination)."""
+        params = dict(params)
+        rows: list[Any] = []
+        while True:
+            resp = self.request("GET", path, params=params)
+            rows.extend(resp.json())
+            token = resp.headers.get("x-next-token")
+            if not token:
+                return rows
+            params["nextToken"] = token
+
+    def delete_each(self, paths: dict[str, str]) -> None:
+        """DELETE each path (by its label); every one is tried and echoed, a failure named on stderr, and the exit
+        code is 1 if any failed. An unreachable node stops at once."""
+        failed = 0
+        for label, path in paths.items():
+            try:
+                self.request("DELETE", path)
+            except NodeUnreachable:
+                raise
+            except click.ClickException as exc:
+                failed += 1
+                click.echo(f"{label}: {exc.message}", err=True)
+            else:
+                click.echo(label)
+        if failed:
+            raise click.exceptions.Exit(1)
+
     def json(self, method: str, path: str, **kw: Any) -> Any:
         resp = self.request(method, path, **kw)
         return resp.json() if resp.content else None

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from .conn import Conn, NodeUnreachable, connection_options
+from .conn import Conn, connection_options
 from .output import echo_json, err, parse_kv, print_table
 
 __all__ = ["register"]
@@ -23,14 +23,8 @@ def _list_sandboxes(conn: Conn, states: str, metadata: dict[str, str]) -> list[d
     if metadata:
         # the SDK's double encoding: the filter is itself a query string
         params["metadata"] = urlencode({quote(k): quote(v) for k, v in metadata.items()})
-    rows: list[dict[str, Any]] = []
-    while True:
-        resp = conn.api.request("GET", "/v2/sandboxes", params=params)
-        rows.extend(resp.json())
-        token = resp.headers.get("x-next-token")
-        if not token:
-            return rows
-        params["nextToken"] = token
+    rows: list[dict[str, Any]] = conn.api.pages("/v2/sandboxes", params)
+    return rows
 
 
 @click.command("ls")
@@ -126,19 +120,7 @@ def timeout_cmd(conn: Conn, sandbox_id: str, seconds: int) -> None:
 @connection_options
 def rm_cmd(conn: Conn, sandbox_ids: tuple[str, ...]) -> None:
     """Kill sandboxes (running or paused). Every id is tried; the exit code is 1 if any failed."""
-    failed = 0
-    for sandbox_id in sandbox_ids:
-        try:
-            conn.api.request("DELETE", f"/sandboxes/{sandbox_id}")
-        except NodeUnreachable:
-            raise
-        except click.ClickException as exc:
-            failed += 1
-            err(f"{sandbox_id}: {exc.message}")
-        else:
-            click.echo(sandbox_id)
-    if failed:
-        raise click.exceptions.Exit(1)
+    conn.api.delete_each({sid: f"/sandboxes/{sid}" for sid in sandbox_ids})
 
 
 @click.command("fork")

@@ -39,14 +39,7 @@ def snapshot_create(conn: Conn, sandbox_id: str, name: Optional[str], as_json: b
 def snapshot_ls(conn: Conn, sandbox_id: Optional[str], as_json: bool) -> None:
     """List snapshots, newest first."""
     params: dict[str, str] = {"sandboxID": sandbox_id} if sandbox_id else {}
-    rows: list[dict[str, Any]] = []
-    while True:
-        resp = conn.api.request("GET", "/snapshots", params=params)
-        rows.extend(resp.json())
-        token = resp.headers.get("x-next-token")
-        if not token:
-            break
-        params["nextToken"] = token
+    rows: list[dict[str, Any]] = conn.api.pages("/snapshots", params)
     if as_json:
         echo_json(rows)
         return

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import click
 
-from .conn import Conn, NodeUnreachable, connection_options
+from .conn import Conn, connection_options
 from .output import echo_json, err, print_table
 
 __all__ = ["default_name", "register"]
@@ -168,19 +168,7 @@ def template_ls(conn: Conn, as_json: bool) -> None:
 @connection_options
 def template_rm(conn: Conn, names: tuple[str, ...]) -> None:
     """Delete templates (by name or id; a snapshot id works too). Sandboxes made from one keep running."""
-    failed = 0
-    for name in names:
-        try:
-            conn.api.request("DELETE", f"/templates/{name}")
-        except NodeUnreachable:
-            raise
-        except click.ClickException as exc:
-            failed += 1
-            err(f"{name}: {exc.message}")
-        else:
-            click.echo(name)
-    if failed:
-        raise click.exceptions.Exit(1)
+    conn.api.delete_each({name: f"/templates/{name}" for name in names})
 
 
 def _find_build(conn: Conn, build_id: str) -> str:
