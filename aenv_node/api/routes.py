@@ -90,8 +90,8 @@ ROUTES: tuple[Route, ...] = (
           content_type="text/plain"),
     Route("GET", "/openapi.json", "openapi", "This document", _N, auth=False),
     Route("GET", "/node", "node_info", "Node identity, version and capacity", _N, response=NodeInfo),
-    Route("GET", "/events", "list_events", "State-change events, newest first", _N,
-          response=Event, response_is_list=True, query=("sandboxID", "limit")),
+    Route("GET", "/events", "list_events", "State-change events, newest first (after=ID: the ones after it, "
+          "oldest first)", _N, response=Event, response_is_list=True, query=("sandboxID", "limit", "after")),
     # -- E2B sandboxes -----------------------------------------------------
     Route("POST", "/v2/sandboxes", "create_sandbox_v2", "Create a sandbox", _SB, success=201,
           request=NewSandbox, response=Sandbox, error_statuses=(400, 401, 404, 409, 429, 500)),

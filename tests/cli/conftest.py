@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
-import httpx
 import pytest
 
-from aenv_node.cli.aenv import conn as conn_module
 from aenv_node.cli.aenv import main
 
 
@@ -50,25 +48,3 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def fake_node(monkeypatch) -> Iterator[Callable[[Callable[[httpx.Request], httpx.Response]], list[httpx.Request]]]:
-    """Route the CLI's REST client to a handler; returns the list of requests it saw."""
-
-    def install(handler: Callable[[httpx.Request], httpx.Response]) -> list[httpx.Request]:
-        seen: list[httpx.Request] = []
-
-        def record(request: httpx.Request) -> httpx.Response:
-            seen.append(request)
-            return handler(request)
-
-        def init(self, url: str, key: str, timeout: float = 30.0) -> None:
-            self.url = url.rstrip("/")
-            self.client = httpx.Client(base_url=self.url, headers={"X-API-KEY": key},
-                                       transport=httpx.MockTransport(record))
-
-        monkeypatch.setattr(conn_module.Api, "__init__", init)
-        return seen
-
-    yield install

@@ -333,3 +333,25 @@ async def test_timeout_and_connect_go_through_the_sandbox_service(node_config) -
     resp = await client.post("/v2/sandboxes/paused1/connect", headers=h)  # an empty body is {}
     assert resp.status_code == 201
     assert fake.calls[1:] == [("resume", ("running1", 30)), ("resume", ("paused1", None))]
+
+
+async def test_events_after_a_cursor_come_oldest_first_and_page(live_node) -> None:
+    """GET /events?after=ID: what a follower polls with the last id it saw; nothing is skipped in a burst."""
+    async with live_node.client() as c:
+        newest = (await c.get("/events", params={"limit": 1})).json()
+        start = newest[0]["id"] if newest else 0
+        with live_node.node.db.session() as s:
+            for i in range(7):
+                repo.record_event(s, f"burst-{i}", sandbox_id="sbE")
+        seen: list[str] = []
+        last = start
+        while True:
+            page = (await c.get("/events", params={"after": last, "limit": 3, "sandboxID": "sbE"})).json()
+            seen += [e["operation"] for e in page]
+            if len(page) < 3:
+                break
+            last = page[-1]["id"]
+        assert seen == [f"burst-{i}" for i in range(7)]
+        newest_first = (await c.get("/events", params={"limit": 2, "sandboxID": "sbE"})).json()
+        assert [e["operation"] for e in newest_first] == ["burst-6", "burst-5"]
+        assert_e2b_error(await c.get("/events", params={"after": "x"}), 400, "after")

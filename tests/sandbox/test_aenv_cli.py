@@ -189,13 +189,15 @@ def test_lifecycle_snapshot_and_fork_commands(sdk_env: NodeProcess) -> None:
         for child in children:
             c = aenv(sdk_env, "exec", child, "--", "cat", "/home/user/k")
             assert c.stdout == "kept\n", c.stderr
-        r = aenv(sdk_env, "rm", *children)
-        assert r.returncode == 0, r.stderr
+        r = aenv(sdk_env, "rm", children[0], "sb-nope", children[1])  # every id is tried; one failed: exit 1
+        assert (r.returncode, r.stdout.split()) == (1, children), r
+        assert r.stderr.startswith("sb-nope: ") and len(r.stderr.splitlines()) == 1, r.stderr
         assert aenv(sdk_env, "snapshot", "rm", snap_id).returncode == 0
         events = aenv(sdk_env, "events", "--sandbox", sid, "--json")
         ops = {json.loads(line).get("operation") for line in events.stdout.splitlines()}  # one event per line
         assert {"create", "pause", "resume", "snapshot", "fork"} <= ops, ops
         r = aenv(sdk_env, "pause", "sb-nope")
         assert r.returncode == 1 and r.stderr.startswith("Error: ") and len(r.stderr.splitlines()) == 1
+        assert "404" in r.stderr and "sb-nope" in r.stderr, r.stderr
     finally:
         aenv(sdk_env, "rm", sid)

@@ -291,6 +291,14 @@ def test_aenv_pull_and_build_from_a_dockerfile(sdk: NodeProcess, busy_image: str
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     listed = json.loads(_aenv(sdk, "template", "ls", "--json").stdout)
     assert {"cli-pulled", "cli-built"} <= {a for t in listed for a in t.get("aliases", [])}
+    # detached, then followed by its build id; a build that fails is one line with the node's reason
+    r = _aenv(sdk, "pull", busy_image, "--name", "cli-detached", "-d")
+    assert r.returncode == 0, r.stderr
+    build_id = r.stdout.strip()
+    r = _aenv(sdk, "template", "watch", build_id)
+    assert (r.returncode, r.stdout) == (0, f"build {build_id} ready\n"), r.stderr
+    r = _aenv(sdk, "pull", busy_image.replace("/busy:", "/nothing-here:"), "--name", "cli-nope")
+    assert r.returncode == 1 and "not found" in r.stderr.splitlines()[-1], r.stderr
 
 
 @pytest.mark.parametrize("case", ["unknown image", "failing RUN", "never ready"])

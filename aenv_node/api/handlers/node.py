@@ -57,11 +57,17 @@ async def node_info(api: ApiContext) -> NodeInfo:
 
 
 async def list_events(api: ApiContext) -> list[Event]:
+    """The newest ``limit`` events, newest first; with ``after`` (an event id, the cursor of a follower), the
+    ``limit`` events after it, oldest first, so that polling with the last id seen misses none."""
     limit = query_int("limit", 100)
+    after = query_int("after", -1, lo=0, hi=2**62)
     sandbox_id = request.args.get("sandboxID")
 
     def work(s: Session) -> list[Event]:
-        q = select(EventRow).order_by(EventRow.id.desc()).limit(limit)
+        if after >= 0:
+            q = select(EventRow).where(EventRow.id > after).order_by(EventRow.id.asc()).limit(limit)
+        else:
+            q = select(EventRow).order_by(EventRow.id.desc()).limit(limit)
         if sandbox_id:
             q = q.where(EventRow.sandbox_id == sandbox_id)
         return [Event.from_row(e) for e in s.scalars(q)]

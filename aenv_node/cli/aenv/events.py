@@ -1,8 +1,7 @@
 """``aenv events`` (the node's state-change events) and ``aenv logs`` (a sandbox's logs).
 
-``GET /events?sandboxID=&limit=`` answers the newest events first and has no cursor, so ``--follow`` polls it
-and prints what has an id above the last one seen (a burst of more than :data:`PAGE` events between two polls
-would lose the oldest of them: the node needs an ``after`` id for this to be exact).
+``GET /events?sandboxID=&limit=`` answers the newest events first; ``--follow`` then polls it with ``after``
+(the last id seen), which answers the events after it oldest first, page by page, so a burst loses nothing.
 ``GET /v2/sandboxes/{id}/logs`` is E2B's sandbox log route; the node declares it but answers 501 today, which
 ``aenv logs`` reports as one line.
 """
@@ -65,10 +64,13 @@ def events_cmd(conn: Conn, sandbox_id: Optional[str], follow: bool, limit: int, 
     params["limit"] = PAGE
     while True:
         time.sleep(POLL_S)
-        fresh = [e for e in reversed(conn.api.json("GET", "/events", params=params)) if int(e["id"]) > last]
-        if fresh:
-            last = int(fresh[-1]["id"])
-            emit(fresh, header=False)
+        while True:  # every page after the last event seen
+            fresh = conn.api.json("GET", "/events", params={**params, "after": last})
+            if fresh:
+                last = int(fresh[-1]["id"])
+                emit(fresh, header=False)
+            if len(fresh) < PAGE:
+                break
 
 
 def _unix_ms(ts: Any) -> Optional[int]:
