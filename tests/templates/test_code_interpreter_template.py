@@ -38,7 +38,9 @@ def ci_node() -> Iterator[NodeProcess]:
 def test_run_code_with_the_unmodified_sdk(ci_node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in ci_node.sdk_env().items():
         monkeypatch.setenv(k, v)
-    sb = e2b_code_interpreter.Sandbox.create()  # its default template: code-interpreter-v1
+    # its default template: code-interpreter-v1; the sandbox outlives a slow kernel start under TCG (the default
+    # 300 s lifetime paused it in the middle of create_code_context on a loaded 2-core host)
+    sb = e2b_code_interpreter.Sandbox.create(timeout=1800)
     try:
         assert sb.run_code("x = 21 * 2\nx").text == "42"
         assert sb.run_code("x + 1").text == "43"  # state persists
