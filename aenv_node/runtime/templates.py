@@ -471,8 +471,9 @@ class TemplateService:
             if t is None:
                 raise TemplateNotFound(f"template {name!r} not found")
             self._check_own(t.alias or t.id)
-            rows = [s.get(TemplateTag, (t.id, tag)) for tag in dict.fromkeys(tags)]
-            missing = [tag for tag, row in zip(tags, rows) if row is None]
+            wanted = list(dict.fromkeys(tags))
+            rows = [s.get(TemplateTag, (t.id, tag)) for tag in wanted]
+            missing = [tag for tag, row in zip(wanted, rows) if row is None]
             if missing:
                 raise TemplateNotFound(f"template {name!r} has no tag {', '.join(missing)}")
             for row in rows:
