@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, cast
 
 from pydantic import (
     BaseModel,
@@ -43,6 +43,7 @@ from pydantic import (
 from ..state import EventSubject, SandboxState, SnapshotKind, SnapshotStatus
 from ..state import Event as EventRow
 from ..state import Sandbox as SandboxRow
+from ..state import SandboxLog as SandboxLogRow
 from ..state import Snapshot as SnapshotRow
 
 __all__ = [
@@ -78,6 +79,11 @@ __all__ = [
     "ForkResult",
     "SnapshotInfo",
     "SnapshotDetail",
+    "LogLevel",
+    "SandboxLogEntry",
+    "SandboxLogLine",
+    "SandboxLogs",
+    "SandboxLogsV2",
 ]
 
 E2BState = Literal["running", "paused"]
@@ -429,3 +435,43 @@ class SnapshotDetail(SnapshotInfo):
         return cls(snapshot_id=sn.id, names=[sn.name] if sn.name else [], parent_id=sn.parent_id,
                    source_sandbox_id=sn.source_sandbox_id, kind=sn.kind, status=sn.status,
                    created_at=sn.created_at)
+
+
+LogLevel = Literal["debug", "info", "warn", "error"]
+
+
+class SandboxLogEntry(ResponseModel):
+    """One line of a sandbox's logs (E2B's SandboxLogEntry); ``fields`` says where it came from: ``source``
+    (kernel, init, envd, console) and, for envd's records, its ``logger``."""
+
+    timestamp: Timestamp
+    level: LogLevel
+    message: str
+    fields: dict[str, str]
+
+    @classmethod
+    def from_row(cls, row: SandboxLogRow) -> SandboxLogEntry:
+        fields = {"source": row.source}
+        if row.logger:
+            fields["logger"] = row.logger
+        return cls(timestamp=row.ts, level=cast(LogLevel, row.level), message=row.message, fields=fields)
+
+
+class SandboxLogLine(ResponseModel):
+    """A plain log line (E2B's SandboxLog, v1)."""
+
+    timestamp: Timestamp
+    line: str
+
+
+class SandboxLogs(ResponseModel):
+    """``GET /sandboxes/{id}/logs`` (v1): the lines plain and structured."""
+
+    logs: list[SandboxLogLine]
+    log_entries: list[SandboxLogEntry] = Field(alias="logEntries")
+
+
+class SandboxLogsV2(ResponseModel):
+    """``GET /v2/sandboxes/{id}/logs``."""
+
+    logs: list[SandboxLogEntry]

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 __all__ = [
     "Config",
     "ConfigError",
+    "LogsSection",
     "load_config",
     "DEFAULT_CONFIG_TEXT",
     "SYSTEM_CONFIG_PATH",
@@ -143,6 +144,14 @@ class SnapshotSection:
     gc_patience_s: float = 5
 
 
+@dataclass(frozen=True)
+class LogsSection:
+    max_lines_per_sandbox: int = 10_000
+    max_line_chars: int = 2048
+    retention_s: float = 604800.0
+    poll_interval_s: float = 0.5
+
+
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vmm", "kind"): ("auto", "qemu", "firecracker"),
     ("vmm", "accel"): ("auto", "kvm", "tcg"),
@@ -164,6 +173,7 @@ class Config:
     snapshot: SnapshotSection = field(default_factory=SnapshotSection)
     images: ImagesSection = field(default_factory=ImagesSection)
     templates: TemplatesSection = field(default_factory=TemplatesSection)
+    logs: LogsSection = field(default_factory=LogsSection)
 
     # Derived paths: one place decides the state directory's layout.
     @property
@@ -365,5 +375,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config images.ca_bundle: {cfg.images.ca_bundle!r} is not a readable file")
     if cfg.templates.cache_ttl_s < 0:
         raise ConfigError("config templates.cache_ttl_s must be >= 0")
+    lg = cfg.logs
+    if lg.max_lines_per_sandbox < 1 or lg.max_line_chars < 80 or lg.retention_s < 0 or lg.poll_interval_s <= 0:
+        raise ConfigError("config logs: need max_lines_per_sandbox >= 1, max_line_chars >= 80, retention_s >= 0 "
+                          "and poll_interval_s > 0")
     if cfg.snapshot.capture_buffer_mib < 0 or cfg.snapshot.capture_buffers < 0:
         raise ConfigError("config snapshot: capture_buffer_mib and capture_buffers must be >= 0")

@@ -1,27 +1,31 @@
-"""Collections of what no longer serves: local snapshot and layer files, and the shared repository.
+"""Collections of what no longer serves: local snapshot and layer files, the shared repository, old logs.
 
-Two services. ``LocalGc`` runs the garbage collector of this node's files
+Three services. ``LocalGc`` runs the garbage collector of this node's files
 (``snapshot/gc.py``): its start-up pass before any sandbox runs, then a
 collection per request (a pause, a kill, a compaction asks for one) and every
 ``snapshot.gc_interval_s``. ``RepositoryGc`` collects the shared repository
 every ``storage.repository_gc_interval_s`` (0: never): snapshot manifests no
 sandbox record reaches and layers no kept manifest names, older than
-``storage.repository_gc_grace_s`` (storage/repository/gc.py).
+``storage.repository_gc_grace_s`` (storage/repository/gc.py). ``LogExpiry`` deletes the logs of sandboxes
+that ended more than ``logs.retention_s`` ago (``state/sandbox_logs.py``), at start and every
+``snapshot.gc_interval_s``.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 
 import trio
 
-from ..state import EventSubject
+from ..state import EventSubject, utcnow
 from ..state.repository import record_event
+from ..state.sandbox_logs import expire_ended
 from ..storage.repository.gc import GcReport
 from .parts import NodeParts
 
-__all__ = ["LocalGc", "RepositoryGc"]
+__all__ = ["LocalGc", "LogExpiry", "RepositoryGc"]
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +85,27 @@ class RepositoryGc:
                 lambda: self.parts.repository.collect_garbage(grace, stop=stop))
             n.cancel_scope.cancel()
         return report
+
+
+class LogExpiry:
+    name = "log-expiry"
+
+    def __init__(self, parts: NodeParts) -> None:
+        self.parts = parts
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            try:
+                await self.expire_once()
+            except Exception:
+                log.exception("expiring old sandbox logs failed; retrying later")
+            await trio.sleep(self.parts.cfg.snapshot.gc_interval_s)
+
+    async def expire_once(self) -> int:
+        """Delete the logs of sandboxes that ended over ``logs.retention_s`` ago; returns how many lines."""
+        before = utcnow() - dt.timedelta(seconds=self.parts.cfg.logs.retention_s)
+        gone = await self.parts.db.run(expire_ended, before)
+        if gone:
+            log.info("sandbox logs: %d lines of sandboxes that ended before %s deleted", gone, before.isoformat())
+        return gone

@@ -69,7 +69,8 @@ class LiveSandboxes:
         try:
             await run_sandbox(spec, db=self.parts.db, driver=self.parts.driver, frontend=self.parts.frontend,
                               pool=self.parts.running_pool(),
-                              live=self.live, cache=self.parts.cache, task_status=task_status)
+                              live=self.live, cache=self.parts.cache, logs=self.parts.cfg.logs,
+                              task_status=task_status)
         finally:
             with trio.CancelScope(shield=True):
                 for hook in self.stopped_hooks:

@@ -25,6 +25,7 @@ from typing import Optional
 import trio
 from sqlalchemy.orm import Session
 
+from ..config import LogsSection
 from ..net import EgressPolicy, Slot, SlotPool
 from ..snapshot.envd import init_envd
 from ..snapshot.machine import open_machine
@@ -34,6 +35,7 @@ from ..state import repository as repo
 from ..storage import Image, LayerSourceProvider, open_image
 from ..storage.frontends import DiskFrontend
 from ..vmm import Vm, VmmDriver
+from .console_log import ConsoleLog
 
 __all__ = ["SandboxSpec", "SandboxHandle", "run_sandbox"]
 
@@ -102,6 +104,7 @@ async def run_sandbox(
     pool: SlotPool,
     live: dict[str, SandboxHandle],
     cache: Optional[LayerSourceProvider] = None,
+    logs: LogsSection,
     task_status: trio.TaskStatus[SandboxHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     sid = spec.sandbox_id
@@ -149,6 +152,8 @@ async def run_sandbox(
                             started.request_stop("vmm_exit")
 
                         watch.start_soon(vmm_watch)
+                        # the console into the sandbox's logs, read to its end when the watch is cancelled
+                        watch.start_soon(ConsoleLog(db, sid, m.config.console_path, logs).run)
                         await handle.stop_requested.wait()
                         watch.cancel_scope.cancel()
                     if handle.stop_reason == "vmm_exit":

@@ -62,6 +62,7 @@ __all__ = [
     "CacheEntry",
     "NetworkSlot",
     "Event",
+    "SandboxLog",
 ]
 
 
@@ -460,3 +461,23 @@ class Event(Base):
     duration_ms: Mapped[Optional[float]] = mapped_column(Float)
     error: Mapped[Optional[str]] = mapped_column(Text)
     detail: Mapped[Optional[dict[str, Any]]] = mapped_column(JSON(none_as_null=True))
+
+
+class SandboxLog(Base):
+    """One line of a sandbox's logs: its guest console (kernel, init) and envd, as E2B's logs routes serve them.
+
+    Written by ``runtime/console_log.py`` while the sandbox runs, so they outlive pause and resume; bounded per
+    sandbox (``logs.max_lines_per_sandbox``, oldest dropped) and kept ``logs.retention_s`` after it ends.
+    ``ts`` is when the node read the line (the guest's clock may be off until envd's ``/init`` sets it).
+    """
+
+    __tablename__ = "sandbox_logs"
+    __table_args__ = (Index("ix_sandbox_logs_sandbox_id_ts", "sandbox_id", "ts"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sandbox_id: Mapped[str] = mapped_column(ForeignKey("sandboxes.id", ondelete="CASCADE"))
+    ts: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    level: Mapped[str] = mapped_column(String(8))  # debug | info | warn | error (E2B's LogLevel)
+    source: Mapped[str] = mapped_column(String(16))  # kernel | init | envd | console
+    logger: Mapped[Optional[str]] = mapped_column(String(64))  # envd's logger name
+    message: Mapped[str] = mapped_column(Text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..context import Handler
 from . import builds as _builds
 from . import lifecycle as _lifecycle
+from . import logs as _logs
 from . import node as _node
 from . import sandboxes as _sandboxes
 from . import templates as _templates
@@ -20,6 +21,7 @@ HANDLERS: dict[str, Handler] = {
     **_templates.HANDLERS,
     **_builds.HANDLERS,
     **_lifecycle.HANDLERS,
+    **_logs.HANDLERS,
 }
 
 __all__ = ["HANDLERS"]

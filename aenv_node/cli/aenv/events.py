@@ -2,8 +2,8 @@
 
 ``GET /events?sandboxID=&limit=`` answers the newest events first; ``--follow`` then polls it with ``after``
 (the last id seen), which answers the events after it oldest first, page by page, so a burst loses nothing.
-``GET /v2/sandboxes/{id}/logs`` is E2B's sandbox log route; the node declares it but answers 501 today, which
-``aenv logs`` reports as one line.
+``aenv logs`` pages through E2B's ``GET /v2/sandboxes/{id}/logs`` from a millisecond cursor (see
+:class:`_LogCursor`), with the route's level and search filters; ``--follow`` polls it from the last line seen.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .output import print_table
 __all__ = ["PAGE", "register"]
 
 PAGE = 100
+LOG_PAGE = 1000
 POLL_S = 1.0
 
 
@@ -74,9 +75,7 @@ def events_cmd(conn: Conn, sandbox_id: Optional[str], follow: bool, limit: int, 
 
 
 def _unix_ms(ts: Any) -> Optional[int]:
-    """A log entry's timestamp (unix ms or ISO-8601) as unix ms: the next page's cursor."""
-    if isinstance(ts, (int, float)):
-        return int(ts)
+    """A log entry's timestamp (RFC 3339, as the node sends it) as unix ms: the routes' cursor."""
     if isinstance(ts, str):
         from datetime import datetime
 
@@ -87,28 +86,61 @@ def _unix_ms(ts: Any) -> Optional[int]:
     return None
 
 
+class _LogCursor:
+    """Where the next page of a sandbox's logs starts. The cursor is a millisecond and pages include it, so
+    the entries already printed at that millisecond (in the node's order, which is stable) are skipped."""
+
+    def __init__(self) -> None:
+        self.ms: Optional[int] = None
+        self.seen_at_ms = 0
+
+    def fresh(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        skip = self.seen_at_ms
+        out: list[dict[str, Any]] = []
+        for e in entries:
+            ms = _unix_ms(e.get("timestamp"))
+            if ms is not None and ms == self.ms and skip > 0:
+                skip -= 1
+                continue
+            out.append(e)
+            if ms is not None:
+                if ms != self.ms:
+                    self.ms, self.seen_at_ms = ms, 0
+                self.seen_at_ms += 1
+        return out
+
+
 @click.command("logs")
 @click.argument("sandbox_id")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to stop).")
+@click.option("--level", type=click.Choice(["debug", "info", "warn", "error"]), default=None,
+              help="Only lines of this level or worse.")
+@click.option("--search", default=None, metavar="TEXT", help="Only lines containing TEXT (any case).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @connection_options
-def logs_cmd(conn: Conn, sandbox_id: str, follow: bool, as_json: bool) -> None:
-    """Show a sandbox's logs (E2B's `GET /v2/sandboxes/{id}/logs`; the node answers 501 until it keeps them)."""
-    cursor: Optional[int] = None
+def logs_cmd(conn: Conn, sandbox_id: str, follow: bool, level: Optional[str], search: Optional[str],
+             as_json: bool) -> None:
+    """Show a sandbox's logs: its console (kernel, init) and envd, kept across pause and resume, oldest first."""
+    cursor = _LogCursor()
+    filters = {k: v for k, v in (("level", level), ("search", search)) if v}
     while True:
-        params: dict[str, Any] = {"direction": "forward"}
-        if cursor is not None:
-            params["cursor"] = cursor
-        body = conn.api.json("GET", f"/v2/sandboxes/{sandbox_id}/logs", params=params) or {}
-        for entry in body.get("logs") or []:
-            if as_json:
-                click.echo(json.dumps(entry, default=str))
-            else:
-                click.echo(f"{str(entry.get('timestamp', ''))[:23]} {entry.get('level', '')} "
-                           f"{entry.get('message', entry.get('line', ''))}".rstrip())
-            ms = _unix_ms(entry.get("timestamp"))
-            if ms is not None:
-                cursor = ms + 1
+        while True:  # every page from the cursor on
+            params: dict[str, Any] = {"direction": "forward", "limit": LOG_PAGE, **filters}
+            if cursor.ms is not None:
+                params["cursor"] = cursor.ms
+            page = (conn.api.json("GET", f"/v2/sandboxes/{sandbox_id}/logs", params=params) or {}).get("logs") or []
+            fresh = cursor.fresh(page)
+            for entry in fresh:
+                if as_json:
+                    click.echo(json.dumps(entry, default=str))
+                else:
+                    source = (entry.get("fields") or {}).get("source", "")
+                    click.echo(f"{str(entry.get('timestamp', ''))[:23]} {entry.get('level', ''):5} {source:7} "
+                               f"{entry.get('message', '')}".rstrip())
+            if len(page) < LOG_PAGE:
+                break
+            if not fresh and cursor.ms is not None:  # a full page at one millisecond: step past it
+                cursor.ms, cursor.seen_at_ms = cursor.ms + 1, 0
         if not follow:
             return
         time.sleep(POLL_S)
