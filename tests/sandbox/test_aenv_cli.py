@@ -1,19 +1,18 @@
-"""The ``aenv`` client CLI against a real node, as a person at a terminal uses it: an interactive shell in a
-real pseudo-terminal (prompt, resize, Ctrl-C, exit status), exec with both streams and the exit code, a
+"""The ``aenv`` client CLI against a real node, as a person at a terminal uses it: an interactive shell in tmux
+(prompt, resize, Ctrl-C, exit status; after ``start`` and after ``cn`` of a paused sandbox), exec with both streams and the exit code, a
 directory tree up and back, and the lifecycle, snapshot and fork commands with their JSON output."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import select
-import struct
+import shlex
 import subprocess
 import sys
-import termios
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,92 +34,119 @@ def aenv(node: NodeProcess, *args: str, timeout: float = 300) -> subprocess.Comp
                           timeout=timeout, cwd=ROOT, env=_env(node))
 
 
-def _set_size(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+class Tmux:
+    """``aenv`` in a tmux session of its own, driven as a person at a terminal drives it: keys typed into the
+    pane, the screen read back, the window resized. The command's exit status is written where the test reads
+    it, and the pane stays open after it ends."""
 
+    def __init__(self, node: NodeProcess, tmp: Path, *args: str, rows: int = 30, cols: int = 100) -> None:
+        self.socket = f"aenv-test-{os.getpid()}-{time.monotonic_ns()}"
+        self.status = tmp / "exit-status"
+        self.env = _env(node)
+        command = " ".join(shlex.quote(a) for a in (sys.executable, "-m", "aenv_node.cli.client", *args))
+        self.tmux("new-session", "-d", "-s", "t", "-x", str(cols), "-y", str(rows),
+                  f"cd {shlex.quote(str(ROOT))}; {command}; echo $? > {shlex.quote(str(self.status))}; sleep 600")
 
-class Terminal:
-    """``aenv`` in a pseudo-terminal of its own (its controlling terminal, as in a real shell session)."""
+    def tmux(self, *args: str) -> str:
+        r = subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], capture_output=True, text=True,
+                           env=self.env, timeout=30)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
 
-    def __init__(self, node: NodeProcess, *args: str, rows: int = 30, cols: int = 100) -> None:
-        self.master, slave = os.openpty()
-        _set_size(slave, rows, cols)
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-J", "-t", "t", "-S", "-500")
 
-        def make_controlling() -> None:
-            os.setsid()
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        self.proc = subprocess.Popen([sys.executable, "-m", "aenv_node.cli.client", *args], stdin=slave,
-                                     stdout=slave, stderr=slave, cwd=ROOT, env=_env(node),
-                                     preexec_fn=make_controlling, close_fds=True)
-        os.close(slave)
-        self.seen = b""
-
-    def send(self, data: str) -> None:
-        os.write(self.master, data.encode())
-
-    def expect(self, text: str, timeout: float = 120) -> str:
+    def expect(self, text: str, timeout: float = 120, after: int = 0) -> str:
+        """Wait until ``text`` shows on the screen (its ``after``-th appearance and later count)."""
         deadline = time.monotonic() + timeout
-        while text.encode() not in self.seen:
-            left = deadline - time.monotonic()
-            assert left > 0, f"{text!r} not seen; the terminal shows:\n{self.seen[-2000:].decode(errors='replace')}"
-            ready, _, _ = select.select([self.master], [], [], min(left, 1))
-            if ready:
-                try:
-                    chunk = os.read(self.master, 65536)
-                except OSError:  # the other side closed
-                    chunk = b""
-                if not chunk and self.proc.poll() is not None:
-                    raise AssertionError(f"aenv exited ({self.proc.returncode}) before {text!r}:\n"
-                                         f"{self.seen[-2000:].decode(errors='replace')}")
-                self.seen += chunk
-        out = self.seen.decode(errors="replace")
-        self.seen = self.seen[self.seen.index(text.encode()) + len(text):]
-        return out
+        while True:
+            screen = self.screen()
+            if screen.count(text) > after:
+                return screen
+            assert time.monotonic() < deadline, f"{text!r} not on the screen:\n{screen[-3000:]}"
+            time.sleep(0.3)
+
+    def type(self, line: str) -> None:
+        self.tmux("send-keys", "-t", "t", "-l", line)
+        self.tmux("send-keys", "-t", "t", "Enter")
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", "t", *keys)
 
     def resize(self, rows: int, cols: int) -> None:
-        _set_size(self.master, rows, cols)  # the kernel signals SIGWINCH to the terminal's foreground group
+        self.tmux("resize-window", "-t", "t", "-x", str(cols), "-y", str(rows))
 
-    def wait(self, timeout: float = 60) -> int:
+    def exit_status(self, timeout: float = 60) -> int:
         deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            assert time.monotonic() < deadline, self.seen[-2000:]
-            ready, _, _ = select.select([self.master], [], [], 0.5)
-            if ready:
-                try:
-                    self.seen += os.read(self.master, 65536)
-                except OSError:
-                    pass
-        os.close(self.master)
-        return self.proc.returncode
+        while not self.status.exists() or not self.status.read_text().strip():
+            assert time.monotonic() < deadline, f"aenv did not end:\n{self.screen()[-3000:]}"
+            time.sleep(0.3)
+        return int(self.status.read_text())
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, env=self.env, timeout=30)
 
 
-def test_start_attaches_a_shell_with_resize_ctrl_c_and_its_exit_status(sdk_env: NodeProcess) -> None:
-    term = Terminal(sdk_env, "start", "base")
+def _shell_session(term: Tmux, *, prompt_seen: int = 0) -> None:
+    """What a person does in an attached shell: a sum, the window size before and after a resize, Ctrl-C on a
+    sleep, and ``exit 3``."""
+    term.expect("$ ", after=prompt_seen)  # the prompt: a person types after it (bash drops earlier typeahead)
+    term.type("echo $((6*7))-answer")
+    term.expect("42-answer")
+    term.type("stty size")
+    term.expect("30 100")
+    term.resize(45, 132)
+    time.sleep(1)
+    term.type("stty size")
+    term.expect("45 132")
+    term.type("sleep 100")
+    time.sleep(2)
+    term.keys("C-c")  # Ctrl-C goes to the guest's foreground job, not to aenv
+    term.type("echo still-$((1+1))")
+    term.expect("still-2", timeout=30)
+    term.type("exit 3")
+    assert term.exit_status() == 3
+
+
+def test_start_in_tmux_gives_a_shell_with_resize_ctrl_c_and_its_exit_status(sdk_env: NodeProcess,
+                                                                            tmp_path: Path) -> None:
+    term = Tmux(sdk_env, tmp_path, "start", "base")
     sid = None
     try:
-        sid = term.expect("; attaching").rsplit("sandbox ", 1)[1].split(" ", 1)[0]
-        term.expect("$ ")  # the prompt: a person types after it (bash drops what came before its line editor)
-        term.send("echo $((6*7))-answer\r")
-        term.expect("42-answer")
-        term.send("stty size\r")
-        term.expect("30 100")
-        term.resize(45, 132)
-        time.sleep(1)
-        term.send("stty size\r")
-        term.expect("45 132")
-        term.send("sleep 100\r")
-        time.sleep(2)
-        term.send("\x03")  # Ctrl-C goes to the guest's foreground job, not to aenv
-        term.send("echo still-$((1+1))\r")
-        term.expect("still-2", timeout=30)
-        term.send("exit 3\r")
-        assert term.wait() == 3
+        screen = term.expect("; attaching")
+        sid = screen.split("; attaching")[0].rsplit("sandbox ", 1)[1].split(" ", 1)[0]
+        _shell_session(term)
+        # the sandbox outlives its shell
+        assert sid in [s["sandboxID"] for s in json.loads(aenv(sdk_env, "ls", "--json").stdout)]
     finally:
-        if term.proc.poll() is None:
-            term.proc.kill()
-        if sid is not None:  # start without -d leaves the sandbox running (until its timeout)
+        term.close()
+        if sid is not None:
             aenv(sdk_env, "rm", sid)
+
+
+def test_cn_resumes_a_paused_sandbox_and_attaches_its_shell(sdk_env: NodeProcess, tmp_path: Path) -> None:
+    r = aenv(sdk_env, "start", "base", "-d")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.strip()
+    term = None
+    try:
+        assert aenv(sdk_env, "exec", sid, "--", "sh", "-c", "echo before-pause > /home/user/mark").returncode == 0
+        assert aenv(sdk_env, "pause", sid).returncode == 0
+        assert [s["state"] for s in json.loads(aenv(sdk_env, "ls", "--json").stdout) if s["sandboxID"] == sid] == [
+            "paused"]
+        term = Tmux(sdk_env, tmp_path, "cn", sid)
+        term.expect("$ ")
+        term.type("cat ~/mark")
+        term.expect("before-pause")
+        _shell_session(term, prompt_seen=1)
+        assert [s["state"] for s in json.loads(aenv(sdk_env, "ls", "--json").stdout) if s["sandboxID"] == sid] == [
+            "running"]
+        r = aenv(sdk_env, "cn", "sb-nope")
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "sb-nope" in r.stderr, r.stderr
+    finally:
+        if term is not None:
+            term.close()
+        aenv(sdk_env, "rm", sid)
 
 
 def test_exec_streams_both_outputs_and_exits_with_the_commands_code(sdk_env: NodeProcess) -> None:
@@ -201,3 +227,103 @@ def test_lifecycle_snapshot_and_fork_commands(sdk_env: NodeProcess) -> None:
         assert "404" in r.stderr and "sb-nope" in r.stderr, r.stderr
     finally:
         aenv(sdk_env, "rm", sid)
+
+
+class Follower:
+    """A long-running ``aenv ... --follow``: its stdout read line by line as it comes."""
+
+    def __init__(self, node: NodeProcess, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "aenv_node.cli.client", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, cwd=ROOT, env=_env(node))
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.out, self.err = self.proc.stdout.fileno(), self.proc.stderr
+        self.lines: list[str] = []
+        self._buf = b""
+
+    def until(self, predicate: Any, what: str, timeout: float = 60) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while not any(predicate(line) for line in self.lines):
+            assert time.monotonic() < deadline, f"no {what} in:\n" + "\n".join(self.lines[-50:])
+            ready, _, _ = select.select([self.out], [], [], 0.5)
+            if not ready:
+                continue
+            chunk = os.read(self.out, 65536)
+            assert chunk, f"{self.proc.args} ended: {self.err.read().decode(errors='replace')}"
+            *done, self._buf = (self._buf + chunk).split(b"\n")
+            self.lines += [ln.decode() for ln in done]
+        return self.lines
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def _root_console(node: NodeProcess, sid: str, text: str) -> None:
+    r = aenv(node, "exec", sid, "--user", "root", "--", "sh", "-c", f"echo {text} > /dev/console")
+    assert r.returncode == 0, r.stderr
+
+
+def test_logs_follow_the_console_across_pause_and_resume_and_events_follow_the_lifecycle(
+        sdk_env: NodeProcess) -> None:
+    r = aenv(sdk_env, "start", "base", "-d")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.strip()
+    logs = Follower(sdk_env, "logs", sid, "--follow")
+    events = Follower(sdk_env, "events", "--sandbox", sid, "--follow", "--json")
+    try:
+        _root_console(sdk_env, sid, "first-marker")
+        logs.until(lambda ln: "first-marker" in ln, "first marker")
+        assert aenv(sdk_env, "pause", sid).returncode == 0
+        events.until(lambda ln: json.loads(ln).get("toState") == "paused", "pause event")
+        assert aenv(sdk_env, "resume", sid).returncode == 0
+        _root_console(sdk_env, sid, "second-marker")
+        lines = logs.until(lambda ln: "second-marker" in ln, "second marker (after a resume)")
+        ops = [(e.get("operation"), e.get("toState")) for e in map(json.loads, events.until(
+            lambda ln: json.loads(ln).get("operation") == "resume" and json.loads(ln).get("toState") == "running",
+            "resume event"))]
+        assert ops[0] == ("create", "creating") and ("pause", "paused") in ops, ops
+        # every line once, in order: the markers, and envd's record of the process that wrote each
+        printed = [ln.split(None, 3)[3] for ln in lines if ln.split(None, 3)[2] == "console"]
+        assert printed.count("first-marker") == 1 and printed.count("second-marker") == 1, lines
+        assert len(lines) == len(set(lines)), lines
+        started = [ln for ln in lines if "started process" in ln and "marker" in ln]
+        assert len(started) == 2 and all(" envd " in ln and " info " in ln for ln in started), lines
+        # the same lines through the route, filtered; and a killed sandbox's logs stay readable
+        assert aenv(sdk_env, "rm", sid).returncode == 0
+        r = aenv(sdk_env, "logs", sid, "--search", "MARKER", "--json")
+        found = [json.loads(ln) for ln in r.stdout.splitlines()]
+        assert r.returncode == 0 and {e["fields"]["source"] for e in found} == {"console", "envd"}, r
+        assert [e["message"] for e in found if e["fields"]["source"] == "console"] == ["first-marker",
+                                                                                     "second-marker"]
+        assert sdk_env.sql(f"SELECT count(*) FROM sandbox_logs WHERE sandbox_id = '{sid}' "
+                           "AND message LIKE '%marker%'") == [(4,)]
+        r = aenv(sdk_env, "logs", "sb-nope")
+        assert r.returncode == 1 and "404" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    finally:
+        logs.stop()
+        events.stop()
+        aenv(sdk_env, "rm", sid)
+
+
+def test_start_with_another_size_builds_a_derived_template_once(sdk_env: NodeProcess) -> None:
+    sids: list[str] = []
+    try:
+        for attempt in range(2):
+            r = aenv(sdk_env, "start", "base", "-d", "--cpu", "1", "--mem", "768", timeout=900)
+            assert r.returncode == 0, r.stderr
+            sids.append(r.stdout.strip())
+            assert ("building base-1cpu-768mb:" in r.stderr) == (attempt == 0), r.stderr  # the second finds it
+        listed = {s["sandboxID"]: s for s in json.loads(aenv(sdk_env, "ls", "--json").stdout)}
+        assert [(listed[sid]["cpuCount"], listed[sid]["memoryMB"]) for sid in sids] == [(1, 768)] * 2
+        r = aenv(sdk_env, "exec", sids[1], "--", "sh", "-c", "nproc; grep MemTotal /proc/meminfo")
+        nproc, meminfo = r.stdout.splitlines()
+        assert nproc == "1" and 600_000 < int(meminfo.split()[1]) <= 768 * 1024, r.stdout
+        r = aenv(sdk_env, "start", "base", "-d", "--cpu", "2", "--mem", "512")  # base's own size: no build
+        assert r.returncode == 0 and "building" not in r.stderr, r.stderr
+        sids.append(r.stdout.strip())
+        r = aenv(sdk_env, "start", "no-such-template", "-d", "--cpu", "2")
+        assert r.returncode == 1 and "404" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    finally:
+        if sids:
+            aenv(sdk_env, "rm", *sids)
+        aenv(sdk_env, "template", "rm", "base-1cpu-768mb")

@@ -53,7 +53,7 @@ def ls_cmd(conn: Conn, states: str, metadata: tuple[str, ...], as_json: bool) ->
 @click.option("-d", "--detach", is_flag=True, help="Print the sandbox id and return (no shell).")
 @click.option("--timeout", type=click.IntRange(min=0), default=None, metavar="S",
               help="Seconds until the sandbox ends (pauses); the node's default when omitted.")
-@click.option("--cpu", type=click.IntRange(min=1), default=None, help="vCPUs (see below).")
+@click.option("--cpu", type=click.IntRange(min=1, max=64), default=None, help="vCPUs (see below).")
 @click.option("--mem", type=click.IntRange(min=128), default=None, metavar="MB", help="Memory in MiB (see below).")
 @click.option("--env", "envs", multiple=True, metavar="K=V", help="Environment variable (repeatable).")
 @click.option("--metadata", "metadata", multiple=True, metavar="K=V", help="Metadata (repeatable).")
@@ -64,12 +64,15 @@ def start_cmd(conn: Conn, template: str, detach: bool, timeout: int | None, cpu:
     """Create a sandbox from TEMPLATE (a template name, id or snapshot id) and attach a shell to it.
 
     Without -d the terminal is attached to a login shell in the sandbox; the sandbox keeps running when the
-    shell exits (until its timeout; `aenv rm ID` ends it). --cpu/--mem: a sandbox has its template's size
-    (set it with `aenv pull/build --cpu --mem`); the node does not resize per sandbox yet.
+    shell exits (until its timeout; `aenv rm ID` ends it).
+
+    --cpu/--mem: a sandbox restores its template's snapshot, which fixes its size; another size comes from a
+    template NAME-<cpu>cpu-<mem>mb derived from TEMPLATE, built (once per build of TEMPLATE) on first use.
     """
     if cpu is not None or mem is not None:
-        raise click.UsageError("--cpu/--mem: this node sizes sandboxes by their template "
-                               "(build it with `aenv pull --cpu N --mem MB`)")
+        from .sizing import sized_template
+
+        template = sized_template(conn, template, cpu, mem)
     body: dict[str, Any] = {"templateID": template, "metadata": parse_kv(metadata, "--metadata"),
                             "envVars": parse_kv(envs, "--env")}
     if timeout is not None:
