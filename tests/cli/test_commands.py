@@ -75,9 +75,12 @@ def test_metadata_must_be_key_value(run_aenv) -> None:
     assert r.code == 2 and "KEY=VALUE" in r.err and len(r.err.strip().splitlines()) == 1
 
 
-def test_start_refuses_cpu_and_mem_clearly(run_aenv) -> None:
-    r = run_aenv("start", "base", "--cpu", "2", "--url", "http://127.0.0.1:9", "--key", "k")
-    assert r.code == 2 and "sizes sandboxes by their template" in r.err
+def test_start_checks_cpu_and_mem_before_asking_the_node(run_aenv) -> None:
+    for flag, value in (("--cpu", "0"), ("--cpu", "65"), ("--mem", "64")):
+        r = run_aenv("start", "base", flag, value, "--url", "http://127.0.0.1:9", "--key", "k")
+        assert r.code == 2 and flag in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    r = run_aenv("start", "base", "--cpu", "4", "--url", "http://127.0.0.1:9", "--key", "k")
+    assert r.code == 1 and r.err.startswith("Error: cannot reach") and len(r.err.strip().splitlines()) == 1
 
 
 def test_not_authenticated_is_one_line(run_aenv) -> None:
