@@ -35,10 +35,10 @@ from ..runtime.errors import (
     TemplateRequestError,
 )
 from ..snapshot.envd import EnvdUnavailable
-from ..state.errors import IllegalTransition, NotFound
+from ..state.errors import IdempotencyMismatch, IllegalTransition, NotFound
 from ..storage.repository.errors import OwnershipConflict, OwnershipLost, OwnershipUnsupported
 
-__all__ = ["ApiError", "ERROR_STATUS", "mapped_status", "status_for", "error_response", "install_error_handlers"]
+__all__ = ["ApiError", "ERROR_CODE", "ERROR_STATUS", "mapped_status", "status_for", "error_response", "install_error_handlers"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     # state
     NotFound: 404,
     IllegalTransition: 409,
+    IdempotencyMismatch: 409,
     # bad configuration or policy given by the user
     ConfigError: 400,
     EgressPolicyError: 400,
@@ -81,6 +82,11 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     OwnershipConflict: 409,
     OwnershipLost: 404,
     OwnershipUnsupported: 501,
+}
+
+#: E2B's machine-readable ``error_code`` (its Error model), sent beside code and message where one applies.
+ERROR_CODE: Mapping[type[BaseException], str] = {
+    IdempotencyMismatch: "idempotency_request_mismatch",
 }
 
 #: Message prefixes where the exception's own text needs context for an API user.
@@ -111,8 +117,9 @@ def status_for(exc: BaseException) -> tuple[int, str]:
     return status, prefix + str(exc)
 
 
-def error_response(status: int, message: str, headers: Optional[Mapping[str, str]] = None) -> Response:
-    resp = jsonify({"code": status, "message": message})
+def error_response(status: int, message: str, headers: Optional[Mapping[str, str]] = None,
+                   error_code: Optional[str] = None) -> Response:
+    resp = jsonify({"code": status, "message": message, **({"error_code": error_code} if error_code else {})})
     resp.status_code = status
     for k, v in (headers or {}).items():
         resp.headers[k] = v
@@ -138,4 +145,5 @@ def install_error_handlers(app: Quart) -> None:
         if status >= 500 and not isinstance(exc, ApiError):  # an ApiError is an answer, not a failure
             log.exception("error in API handler")
         headers = exc.headers if isinstance(exc, ApiError) else None
-        return error_response(status, message, headers)
+        code = next((c for cls, c in ERROR_CODE.items() if isinstance(exc, cls)), None)
+        return error_response(status, message, headers, code)

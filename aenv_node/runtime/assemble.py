@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..snapshot.operations import SnapshotOperations
 from .host import HostNetwork
-from .housekeeping import LocalGc, LogExpiry, RepositoryGc
+from .housekeeping import LocalGc, RepositoryGc, RowExpiry
 from .lifetimes import PeriodicSnapshots, TtlWheel
 from .node import Node
 from .parts import NodeParts
@@ -51,6 +51,6 @@ def install_sandbox_services(node: Node, *, build_default_template: bool = True)
     node.reconcilers.append(Reconciler(parts, ops))
     node.services.extend([
         HostNetwork(parts), StorageService(parts), SlotService(parts), LocalGc(parts), ops, registry, templates,
-        TtlWheel(service), PeriodicSnapshots(service), RepositoryGc(parts), LogExpiry(parts),
+        TtlWheel(service), PeriodicSnapshots(service), RepositoryGc(parts), RowExpiry(parts),
     ])
     return service

@@ -1,4 +1,4 @@
-"""Collections of what no longer serves: local snapshot and layer files, the shared repository, old logs.
+"""Collections of what no longer serves: local snapshot and layer files, the shared repository, old rows.
 
 Three services. ``LocalGc`` runs the garbage collector of this node's files
 (``snapshot/gc.py``): its start-up pass before any sandbox runs, then a
@@ -6,9 +6,9 @@ collection per request (a pause, a kill, a compaction asks for one) and every
 ``snapshot.gc_interval_s``. ``RepositoryGc`` collects the shared repository
 every ``storage.repository_gc_interval_s`` (0: never): snapshot manifests no
 sandbox record reaches and layers no kept manifest names, older than
-``storage.repository_gc_grace_s`` (storage/repository/gc.py). ``LogExpiry`` deletes the logs of sandboxes
-that ended more than ``logs.retention_s`` ago (``state/sandbox_logs.py``), at start and every
-``snapshot.gc_interval_s``.
+``storage.repository_gc_grace_s`` (storage/repository/gc.py). ``RowExpiry`` deletes the logs of sandboxes
+that ended more than ``logs.retention_s`` ago (``state/sandbox_logs.py``) and the idempotency keys of creates
+older than a day (``state/idempotency.py``), at start and every ``snapshot.gc_interval_s``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import trio
 
 from ..state import EventSubject, utcnow
 from ..state.repository import record_event
+from ..state.idempotency import KEY_TTL, expire_keys
 from ..state.sandbox_logs import expire_ended
 from ..storage.repository.gc import GcReport
 from .parts import NodeParts
 
-__all__ = ["LocalGc", "LogExpiry", "RepositoryGc"]
+__all__ = ["LocalGc", "RepositoryGc", "RowExpiry"]
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ class RepositoryGc:
         return report
 
 
-class LogExpiry:
-    name = "log-expiry"
+class RowExpiry:
+    name = "row-expiry"
 
     def __init__(self, parts: NodeParts) -> None:
         self.parts = parts
@@ -99,13 +100,17 @@ class LogExpiry:
             try:
                 await self.expire_once()
             except Exception:
-                log.exception("expiring old sandbox logs failed; retrying later")
+                log.exception("expiring old sandbox logs and idempotency keys failed; retrying later")
             await trio.sleep(self.parts.cfg.snapshot.gc_interval_s)
 
-    async def expire_once(self) -> int:
-        """Delete the logs of sandboxes that ended over ``logs.retention_s`` ago; returns how many lines."""
-        before = utcnow() - dt.timedelta(seconds=self.parts.cfg.logs.retention_s)
-        gone = await self.parts.db.run(expire_ended, before)
-        if gone:
-            log.info("sandbox logs: %d lines of sandboxes that ended before %s deleted", gone, before.isoformat())
-        return gone
+    async def expire_once(self) -> tuple[int, int]:
+        """Delete the logs of sandboxes that ended over ``logs.retention_s`` ago and the idempotency keys older
+        than ``KEY_TTL``; returns (log lines, keys)."""
+        now = utcnow()
+        before = now - dt.timedelta(seconds=self.parts.cfg.logs.retention_s)
+        lines = await self.parts.db.run(expire_ended, before)
+        keys = await self.parts.db.run(expire_keys, now - KEY_TTL)
+        if lines or keys:
+            log.info("expired %d log lines of sandboxes that ended before %s and %d idempotency keys", lines,
+                     before.isoformat(), keys)
+        return lines, keys

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import trio
@@ -25,6 +25,7 @@ from ..snapshot.operations import Launch, SnapshotOperations
 from ..snapshot.publish import forget_published, settle_record
 from ..state import Database, Sandbox, SandboxState, utcnow
 from ..state import repository as repo
+from ..state.idempotency import prior_create, record, request_hash
 from .errors import SandboxNotRunning
 from .node import Node
 from .parts import NodeParts
@@ -52,6 +53,8 @@ class CreateRequest:
     deny_out: Optional[list[str]] = None
     #: False: the proxy requires the sandbox's traffic token on every port but envd's
     allow_public_traffic: bool = True
+    #: the client's Idempotency-Key: a retry with it gets the sandbox the first request made
+    idempotency_key: Optional[str] = None
 
 
 class SandboxService:
@@ -66,6 +69,8 @@ class SandboxService:
         self.templates = templates
         self.cfg: Config = node.cfg
         self.db: Database = node.db
+        #: one lock per Idempotency-Key being created: a retry that arrives meanwhile waits for the first
+        self._key_locks: dict[str, trio.Lock] = {}
         registry.stopped_hooks.append(self._settle_record)
 
     @property
@@ -78,6 +83,24 @@ class SandboxService:
 
     # -- create, kill, resolve -------------------------------------------------------------------------
     async def create(self, req: CreateRequest) -> Sandbox:
+        """Create a sandbox; with an idempotency key, the sandbox an earlier request with it made, if any."""
+        key = req.idempotency_key
+        if key is None:
+            return await self._create(req, None)
+        digest = request_hash({k: v for k, v in asdict(req).items() if k != "idempotency_key"})
+        lock = self._key_locks.setdefault(key, trio.Lock())
+        try:
+            async with lock:
+                prior = await self.db.run(prior_create, key, digest)
+                if prior is not None:
+                    log.info("create with Idempotency-Key %r: sandbox %s again", key, prior)
+                    return await self.db.run(lambda s: repo.get_sandbox(s, prior, include_killed=True))
+                return await self._create(req, digest)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._key_locks.pop(key, None)
+
+    async def _create(self, req: CreateRequest, digest: Optional[str]) -> Sandbox:
         async with self.node.tracker.operation("create"), self.parts.gc.pin():
             t, sn = await self.templates.resolve(req.template)
             source = await self.parts.store.load(sn.id)
@@ -99,7 +122,12 @@ class SandboxService:
                 network_policy={k: v for k, v in (("allowOut", req.allow_out), ("denyOut", req.deny_out)) if v},
                 snapshot_id=sn.id, vmm=self.parts.driver.name, started_at=now,
                 end_at=now + dt.timedelta(seconds=req.timeout_s))
-            await self.db.run(lambda s: repo.insert_sandbox(s, row))
+            def insert(s: Session) -> None:
+                repo.insert_sandbox(s, row)
+                if req.idempotency_key is not None and digest is not None:
+                    record(s, req.idempotency_key, digest, sid)  # with the sandbox: never one without the other
+
+            await self.db.run(insert)
             await self.registry.launch(Launch(sid, source, env_vars=env_vars, access_token=token,
                                               previous_token=source.access_token, policy=policy,
                                               operation="create", traffic_token=traffic))

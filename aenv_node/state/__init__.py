@@ -2,7 +2,7 @@
 repository functions that change it (each change with its event row)."""
 
 from .db import Database
-from .errors import IllegalTransition, NotFound, StateError
+from .errors import IdempotencyMismatch, IllegalTransition, NotFound, StateError
 from .ids import new_id
 from .models import (
     Base,
@@ -10,6 +10,7 @@ from .models import (
     CacheEntry,
     Event,
     EventSubject,
+    IdempotencyKey,
     ImageLayer,
     Layer,
     LayerKind,
@@ -37,10 +38,12 @@ __all__ = [
     "Database",
     "StateError",
     "NotFound",
+    "IdempotencyMismatch",
     "IllegalTransition",
     "Base",
     "CacheEntry",
     "Event",
+    "IdempotencyKey",
     "ImageLayer",
     "Layer",
     "PulledImage",

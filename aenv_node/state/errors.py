@@ -28,3 +28,13 @@ class IllegalTransition(StateError):
             f"cannot {operation} sandbox {sandbox_id}: it is {current.value}"
             f" (cannot go to {wanted.value})"
         )
+
+
+class IdempotencyMismatch(StateError):
+    """An ``Idempotency-Key`` used again with another request than the one it was first given with."""
+
+    def __init__(self, key: str, sandbox_id: str) -> None:
+        self.key = key
+        self.sandbox_id = sandbox_id
+        super().__init__(f"Idempotency-Key {key!r} was used for another request (it created sandbox {sandbox_id}); "
+                         "use a new key for a new request")

@@ -63,6 +63,7 @@ __all__ = [
     "NetworkSlot",
     "Event",
     "SandboxLog",
+    "IdempotencyKey",
 ]
 
 
@@ -481,3 +482,16 @@ class SandboxLog(Base):
     source: Mapped[str] = mapped_column(String(16))  # kernel | init | envd | console
     logger: Mapped[Optional[str]] = mapped_column(String(64))  # envd's logger name
     message: Mapped[str] = mapped_column(Text)
+
+
+class IdempotencyKey(Base):
+    """A create's ``Idempotency-Key`` and the sandbox it made (``state/idempotency.py``): a retried request with
+    the same key gets that sandbox back instead of a second one. Written in the transaction that inserts the
+    sandbox, so no crash can leave a sandbox without its key or a key without its sandbox."""
+
+    __tablename__ = "idempotency_keys"
+
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    request_hash: Mapped[str] = mapped_column(String(64))  # sha256 of the effective request
+    sandbox_id: Mapped[str] = mapped_column(ForeignKey("sandboxes.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)

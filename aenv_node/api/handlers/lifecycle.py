@@ -9,6 +9,10 @@ not found") or for a condition the service does not know (a timeout over the nod
 
 from __future__ import annotations
 
+import re
+
+from quart import request
+
 from ...state import Sandbox as SandboxRow
 from ...state import SandboxState
 from ...state.errors import NotFound
@@ -31,6 +35,9 @@ from ..models import (
 )
 from .sandboxes import check_timeout
 
+# what E2B's SDK sends ([a-z0-9-]), and the other characters such keys commonly have
+_IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9_-]{1,255}")
+
 
 def _sandbox(api: ApiContext, row: SandboxRow) -> Sandbox:
     return Sandbox.from_row(row, node_id=api.node.node_id, domain=api.cfg.api.domain)
@@ -42,6 +49,9 @@ async def create_sandbox_v2(api: ApiContext, body: NewSandbox) -> Sandbox:
     timeout = body.timeout if body.timeout is not None else cfg.default_timeout_s
     check_timeout(api.cfg, timeout)
     network = body.network
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
+        raise ApiError(400, "Idempotency-Key must be 1 to 255 letters, digits, '-' or '_'")
     req = CreateRequest(
         template=body.template_id or cfg.default_template,
         timeout_s=timeout,
@@ -53,6 +63,7 @@ async def create_sandbox_v2(api: ApiContext, body: NewSandbox) -> Sandbox:
         allow_out=network.allow_out if network is not None else None,
         deny_out=network.deny_out if network is not None else None,
         allow_public_traffic=network is None or network.allow_public_traffic is not False,
+        idempotency_key=key,
     )
     return _sandbox(api, await service.create(req))
 
