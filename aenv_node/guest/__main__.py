@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-user", default="user", help="user for requests naming none, until /init sets one")
     parser.add_argument("--default-workdir", default=None, help="cwd/base path for requests naming none")
     parser.add_argument("--no-set-clock", action="store_true", help="never set the system clock from /init")
+    parser.add_argument("--quiesce-path", default=None,
+                        help="filesystem /quiesce freezes for a capture (the guest's root: /); default: sync only")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     parser.add_argument("--version", action="store_true", help="print the envd version and exit")
     args = parser.parse_args(argv)
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         default_user=args.default_user,
         default_workdir=args.default_workdir,
         set_clock=not args.no_set_clock,
+        quiesce_path=args.quiesce_path,
     )
     trio.run(serve_until_signalled, config)
     return 0

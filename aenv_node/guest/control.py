@@ -1,8 +1,9 @@
-"""The node-facing routes: ``/health``, ``/init``, ``/envs``, ``/metrics``.
+"""The node-facing routes: ``/health``, ``/init``, ``/envs``, ``/metrics``, ``/quiesce``, ``/thaw``.
 
 ``/init`` is what the node calls after every boot, resume and fork: it sets the
 env vars every process gets, the access token, the default user and workdir,
-and the guest clock (a restored VM wakes with the clock of its snapshot).
+and the guest clock (a restored VM wakes with the clock of its snapshot), and thaws the root filesystem a
+pause left frozen (``quiesce.py``: ``/quiesce`` and ``/thaw`` bracket a capture).
 
 Access token changes follow E2B's envd, except that where E2B proves the
 right to rotate the token through Firecracker's MMDS (which a QEMU guest does
@@ -24,6 +25,7 @@ from .version import __envd_version__
 from .errors import HttpError
 from .http import Request
 from .metrics import Metrics
+from .quiesce import Quiescer
 from .state import EnvdState
 
 log = logging.getLogger("envd.control")
@@ -63,10 +65,22 @@ def _json(body: Any) -> bytes:
 
 
 class ControlApi:
-    def __init__(self, state: EnvdState, *, set_clock: bool, metrics: Metrics) -> None:
+    def __init__(self, state: EnvdState, *, set_clock: bool, metrics: Metrics, quiescer: Quiescer) -> None:
         self.state = state
         self.set_clock = set_clock
         self.metrics = metrics
+        self.quiescer = quiescer
+
+    async def quiesce(self, request: Request) -> None:
+        """sync() and freeze the root filesystem for a capture: ``{"frozen": bool, "reason"?}``."""
+        frozen, reason = await self.quiescer.freeze()
+        await request.respond(200, [("cache-control", "no-store"), ("content-type", "application/json")],
+                              _json({"frozen": frozen, **({"reason": reason} if reason else {})}))
+
+    async def thaw(self, request: Request) -> None:
+        thawed = await self.quiescer.thaw()
+        await request.respond(200, [("cache-control", "no-store"), ("content-type", "application/json")],
+                              _json({"thawed": thawed}))
 
     async def health(self, request: Request) -> None:
         await request.respond(204, [("cache-control", "no-store"), _VERSION_HEADER])
@@ -91,6 +105,8 @@ class ControlApi:
 
     async def init(self, request: Request) -> None:
         headers = [("cache-control", "no-store"), _VERSION_HEADER]
+        # a resume or fork of a pause: the guest stopped frozen for its capture
+        await self.quiescer.thaw("resumed")
         try:
             body = await request.read_body(1024 * 1024)
         except ValueError as exc:

@@ -26,6 +26,7 @@ from .http import Request, serve_connection
 from .metrics import Metrics
 from .process import ProcessManager
 from .process_service import ProcessService
+from .quiesce import Quiescer
 from .state import EnvdState
 
 log = logging.getLogger("envd")
@@ -51,6 +52,9 @@ class EnvdConfig:
     # Env vars every process gets before /init adds its own.
     env_vars: dict[str, str] = field(default_factory=dict)
     access_token: str | None = None
+    # The filesystem /quiesce freezes for a capture (the guest's root; the kit's init passes "/"). None: sync
+    # only, never freeze (envd run on a host for tests must not freeze the host's root).
+    quiesce_path: str | None = None
 
 
 class Envd:
@@ -65,7 +69,8 @@ class Envd:
         self.processes = ProcessManager(nursery)
         self.filesystem = FilesystemService(self.state, nursery)
         self.files = FilesApi(self.state)
-        self.control = ControlApi(self.state, set_clock=config.set_clock, metrics=Metrics())
+        self.control = ControlApi(self.state, set_clock=config.set_clock, metrics=Metrics(),
+                                  quiescer=Quiescer(nursery, config.quiesce_path))
         self.rpc: dict[str, Method] = {}
         self.rpc.update(ProcessService(self.processes, self.state).methods())
         self.rpc.update(self.filesystem.methods())
@@ -74,6 +79,8 @@ class Envd:
             ("POST", "/init"): self.control.init,
             ("GET", "/envs"): self.control.envs,
             ("GET", "/metrics"): self.control.get_metrics,
+            ("POST", "/quiesce"): self.control.quiesce,
+            ("POST", "/thaw"): self.control.thaw,
             ("GET", "/files"): self.files.get,
             ("POST", "/files"): self.files.post,
         }

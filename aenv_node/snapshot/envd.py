@@ -10,6 +10,7 @@ the token the snapshot was taken with as the header.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 from typing import Mapping
 
@@ -18,8 +19,13 @@ import trio
 
 from ..images import ENVD_PORT  # the guest kit starts envd on that port: one definition
 
-__all__ = ["ENVD_PORT", "EnvdUnavailable", "wait_envd", "init_envd", "envd_metrics"]
+__all__ = ["ENVD_PORT", "EnvdUnavailable", "wait_envd", "init_envd", "envd_metrics", "quiesce_guest", "thaw_guest"]
 
+log = logging.getLogger(__name__)
+
+#: How long a capture waits for the guest to sync and freeze its filesystem before it captures anyway (a hung
+#: guest must stay pausable; its memory and disk are still captured at one instant).
+QUIESCE_TIMEOUT_S = 10.0
 
 
 class EnvdUnavailable(Exception):
@@ -100,3 +106,33 @@ async def envd_metrics(host: str, *, access_token: str | None, timeout: float = 
     if not isinstance(doc, dict):
         raise EnvdUnavailable(f"envd at {host} answered /metrics with {type(doc).__name__}, not an object")
     return doc
+
+
+async def quiesce_guest(host: str, *, access_token: str | None, sandbox_id: str,
+                        timeout: float = QUIESCE_TIMEOUT_S) -> bool:
+    """Ask envd to sync and freeze the guest's root filesystem before a capture (``guest/quiesce.py``); True
+    if it froze. Never raises: a guest that cannot (an older envd, a filesystem that does not freeze, no answer
+    in ``timeout``) is captured as it is, and the log says why."""
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        try:
+            r = await client.post(_url(host, "/quiesce"), headers={"X-Access-Token": access_token or ""})
+            doc = r.json() if r.status_code == 200 else {"reason": f"HTTP {r.status_code}"}
+        except (httpx.HTTPError, ValueError) as exc:
+            doc = {"reason": f"{type(exc).__name__}: {exc}"}
+    frozen = bool(doc.get("frozen")) if isinstance(doc, dict) else False
+    if not frozen:
+        log.warning("sandbox %s: its filesystem was not frozen for the capture (%s)", sandbox_id,
+                    doc.get("reason") if isinstance(doc, dict) else doc)
+    return frozen
+
+
+async def thaw_guest(host: str, *, access_token: str | None, sandbox_id: str, timeout: float = 10.0) -> None:
+    """Thaw what :func:`quiesce_guest` froze (a capture that keeps the sandbox running, or failed). Never raises:
+    envd thaws by itself a little later if this does not reach it."""
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        try:
+            r = await client.post(_url(host, "/thaw"), headers={"X-Access-Token": access_token or ""})
+            if r.status_code != 200:
+                log.warning("sandbox %s: thaw answered %d", sandbox_id, r.status_code)
+        except httpx.HTTPError as exc:
+            log.warning("sandbox %s: thaw failed (%s); envd thaws by itself", sandbox_id, exc)

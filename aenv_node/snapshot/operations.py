@@ -52,6 +52,7 @@ from ..vmm import Vm
 from ..vmm.capture_buffer import CaptureBufferPool
 from .capture import CaptureOutcome, capture_running
 from .compaction import compact_snapshot
+from .envd import quiesce_guest, thaw_guest
 from .errors import ForkLimit, SandboxConflict
 from .gc import GarbageCollector
 from .publish import claim_for_resume, publish_snapshot, release_claim
@@ -227,11 +228,17 @@ class SnapshotOperations:
 
     async def _capture(self, handle: LiveSandbox, *, kind: SnapshotKind, keep_running: bool,
                        name: Optional[str] = None, take_source_memory: bool = False) -> CaptureOutcome:
-        return await capture_running(
+        """Quiesce the guest's filesystem, capture, and thaw it if it keeps running (a pause's guest stops frozen
+        and is thawed by the ``/init`` of its resume; a failed capture's by ``_after_failed_capture``)."""
+        await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=handle.sandbox_id)
+        out = await capture_running(
             db=self.db, vm=handle.vm, image=handle.image, sandbox_id=handle.sandbox_id, source=handle.source,
             kind=kind, keep_running=keep_running, layers_dir=self.store.layers_dir,
             snapshots_dir=self.store.snapshots_dir, access_token=handle.access_token, env_vars=handle.env_vars,
             name=name, buffers=self.buffers, take_source_memory=take_source_memory)
+        if keep_running:
+            await thaw_guest(handle.address, access_token=handle.access_token, sandbox_id=handle.sandbox_id)
+        return out
 
     async def _after_failed_capture(self, handle: LiveSandbox, operation: str, exc: BaseException) -> None:
         """Truthful state after a failed capture: running again if the VM runs, else error."""
@@ -241,6 +248,8 @@ class SnapshotOperations:
             ok = True
         except Exception:
             ok = False
+        if ok:
+            await thaw_guest(handle.address, access_token=handle.access_token, sandbox_id=sid)
         message = f"{type(exc).__name__}: {exc}"
         await self.db.run(lambda s: repo.transition(s, sid, S.RUNNING if ok else S.ERROR, operation=operation,
                                                     error=message))

@@ -45,7 +45,7 @@ ENVD_PID=
 start_envd() {
     cd /
     env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root USER=root LANG=C.UTF-8 \
-        "$AENV/bin/python" -I -m envd --port "$port" </dev/null &
+        "$AENV/bin/python" -I -m envd --port "$port" --quiesce-path / </dev/null &
     ENVD_PID=$!
 }
 
