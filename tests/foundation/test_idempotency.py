@@ -4,7 +4,6 @@ create that never ran frees its key, keys expire and go with their sandbox."""
 from __future__ import annotations
 
 import datetime as dt
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -13,13 +12,6 @@ from aenv_node.state import Database, IdempotencyKey, IdempotencyMismatch, Sandb
 from aenv_node.state import repository as repo
 from aenv_node.state.idempotency import expire_keys, prior_create, record, request_hash
 
-
-@pytest.fixture
-def db(tmp_path: Path) -> Database:
-    d = Database(tmp_path / "aenv.db")
-    d.upgrade()
-    yield d
-    d.close()
 
 
 def _create(db: Database, sid: str, key: str, digest: str, *, runs: bool) -> None:

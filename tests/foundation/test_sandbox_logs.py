@@ -26,14 +26,12 @@ T0 = dt.datetime(2026, 12, 2, 12, 0, 0, tzinfo=dt.timezone.utc)
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> Database:
-    d = Database(tmp_path / "aenv.db")
-    d.upgrade()
-    with d.session() as s:
+def db(db: Database) -> Database:
+    """The migrated database with two sandboxes."""
+    with db.session() as s:
         for sid in ("sb1", "sb2"):
             repo.insert_sandbox(s, Sandbox(id=sid, template_id="base"))
-    yield d
-    d.close()
+    return db
 
 
 def _messages(rows: list[SandboxLog]) -> list[str]:

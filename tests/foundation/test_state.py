@@ -19,13 +19,6 @@ TABLES = {
 }
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Database:
-    d = Database(tmp_path / "aenv.db")
-    d.upgrade()
-    yield d
-    d.close()
-
 
 def test_upgrade_creates_tables_and_downgrade_drops_them(tmp_path: Path) -> None:
     d = Database(tmp_path / "aenv.db")
