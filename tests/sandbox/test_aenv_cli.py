@@ -272,12 +272,12 @@ def test_logs_follow_the_console_across_pause_and_resume_and_events_follow_the_l
     events = Follower(sdk_env, "events", "--sandbox", sid, "--follow", "--json")
     try:
         _root_console(sdk_env, sid, "first-marker")
-        logs.until(lambda ln: "first-marker" in ln, "first marker")
+        logs.until(lambda ln: ln.endswith(" console first-marker"), "first marker")
         assert aenv(sdk_env, "pause", sid).returncode == 0
         events.until(lambda ln: json.loads(ln).get("toState") == "paused", "pause event")
         assert aenv(sdk_env, "resume", sid).returncode == 0
         _root_console(sdk_env, sid, "second-marker")
-        lines = logs.until(lambda ln: "second-marker" in ln, "second marker (after a resume)")
+        lines = logs.until(lambda ln: ln.endswith(" console second-marker"), "second marker (after a resume)")
         ops = [(e.get("operation"), e.get("toState")) for e in map(json.loads, events.until(
             lambda ln: json.loads(ln).get("operation") == "resume" and json.loads(ln).get("toState") == "running",
             "resume event"))]
