@@ -142,6 +142,7 @@ class SnapshotSection:
     gc_interval_s: float = 600
     gc_orphan_grace_s: float = 3600
     gc_patience_s: float = 5
+    quiesce: str = "pause"
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("storage", "s3_conditional_writes"): ("auto", "true", "false"),
     ("storage", "block_frontend"): ("auto", "nbd", "ublk", "fuse"),
     ("node", "log_level"): ("debug", "info", "warning", "error"),
+    ("snapshot", "quiesce"): ("pause", "off"),
 }
 
 

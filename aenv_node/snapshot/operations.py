@@ -122,7 +122,8 @@ class SnapshotOperations:
 
     def __init__(self, db: Database, *, store: SnapshotStore, gc: GarbageCollector, repository: Repository,
                  buffers: CaptureBufferPool, launcher: Launcher, node_id: str, owner: str, vmm_name: str,
-                 default_timeout_s: int, fork_max_count: int, compact_after_layers: int) -> None:
+                 default_timeout_s: int, fork_max_count: int, compact_after_layers: int,
+                 quiesce: str = "pause") -> None:
         self.db = db
         self.store = store
         self.gc = gc
@@ -135,6 +136,8 @@ class SnapshotOperations:
         self.default_timeout_s = default_timeout_s
         self.fork_max_count = fork_max_count
         self.compact_after_layers = compact_after_layers
+        #: which captures freeze the guest's filesystem first: "pause" (pauses, whose sandbox stops) or "off"
+        self.quiesce = quiesce
         #: held by a resume and around a publish's record update, so they never interleave
         self._resume_locks: dict[str, trio.Lock] = {}
         self._after_pause_send, self._after_pause_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
@@ -228,15 +231,18 @@ class SnapshotOperations:
 
     async def _capture(self, handle: LiveSandbox, *, kind: SnapshotKind, keep_running: bool,
                        name: Optional[str] = None, take_source_memory: bool = False) -> CaptureOutcome:
-        """Quiesce the guest's filesystem, capture, and thaw it if it keeps running (a pause's guest stops frozen
-        and is thawed by the ``/init`` of its resume; a failed capture's by ``_after_failed_capture``)."""
-        await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=handle.sandbox_id)
+        """Quiesce the guest's filesystem (``snapshot.quiesce``), capture, and thaw it if it keeps running (a
+        pause's guest stops frozen and is thawed by the ``/init`` of its resume; a failed capture's by
+        ``_after_failed_capture``)."""
+        quiesced = self.quiesce == "pause" and kind == SnapshotKind.PAUSE
+        if quiesced:
+            await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=handle.sandbox_id)
         out = await capture_running(
             db=self.db, vm=handle.vm, image=handle.image, sandbox_id=handle.sandbox_id, source=handle.source,
             kind=kind, keep_running=keep_running, layers_dir=self.store.layers_dir,
             snapshots_dir=self.store.snapshots_dir, access_token=handle.access_token, env_vars=handle.env_vars,
             name=name, buffers=self.buffers, take_source_memory=take_source_memory)
-        if keep_running:
+        if quiesced and keep_running:  # a pause that keeps running: not today, but never leave a guest frozen
             await thaw_guest(handle.address, access_token=handle.access_token, sandbox_id=handle.sandbox_id)
         return out
 
@@ -248,7 +254,7 @@ class SnapshotOperations:
             ok = True
         except Exception:
             ok = False
-        if ok:
+        if ok and self.quiesce != "off":
             await thaw_guest(handle.address, access_token=handle.access_token, sandbox_id=sid)
         message = f"{type(exc).__name__}: {exc}"
         await self.db.run(lambda s: repo.transition(s, sid, S.RUNNING if ok else S.ERROR, operation=operation,

@@ -15,7 +15,7 @@ from e2b import Sandbox
 
 from aenv_node.storage import Image
 
-from .conftest import NodeProcess
+from .conftest import NodeProcess, node_in_tmp
 
 pytestmark = pytest.mark.vm
 
@@ -127,12 +127,32 @@ def test_an_fsyncing_writer_goes_on_across_ttl_pauses_and_snapshots(sdk_env: Nod
             before = _count(sb)
             time.sleep(1)
             assert _count(sb) > before >= int(counter), "the writer did not go on after the resume"
-        # a snapshot keeps the sandbox running: thawed at once, the writer goes on
+        # a snapshot keeps the sandbox running with its memory: not frozen, the writer goes on
+        froze = _froze(sdk_env, sid)
         with sdk_env.api() as api:
             r = api.post(f"/sandboxes/{sid}/snapshots", json={})
             assert r.status_code == 201, r.text
         before = _count(sb)
         time.sleep(1)
-        assert _count(sb) > before
+        assert _count(sb) > before and _froze(sdk_env, sid) == froze == 2
     finally:
         Sandbox.kill(sid)
+
+
+def _froze(node: NodeProcess, sid: str) -> int:
+    return int(node.sql(f"SELECT count(*) FROM sandbox_logs WHERE sandbox_id = '{sid}' "
+                        "AND message = 'froze / for a capture'")[0][0])
+
+
+def test_quiesce_off_pauses_without_freezing() -> None:
+    with node_in_tmp("aenv-noquiesce-", AENV_SNAPSHOT_QUIESCE="off") as node:
+        with node.api() as api:
+            r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert r.status_code == 201, r.text
+            sid = r.json()["sandboxID"]
+            assert api.post(f"/sandboxes/{sid}/pause", json={}).status_code == 204
+            assert api.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 201
+            api.delete(f"/sandboxes/{sid}")
+        assert _froze(node, sid) == 0
+        assert node.sql(f"SELECT count(*) FROM sandbox_logs WHERE sandbox_id = '{sid}' AND message LIKE 'thawed%'") == [
+            (0,)]
