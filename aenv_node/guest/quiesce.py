@@ -1,13 +1,13 @@
 """Quiescing the guest's filesystem for a capture: ``POST /quiesce`` and ``POST /thaw``.
 
-A pause or snapshot captures memory and disk at one instant, so the guest itself never loses a write; but the
-disk layer it seals also stands alone (a fork's, a compaction's, a template's, any reader of the repository's
-layers), and there dirty page cache and an unreplayed ext4 journal are a torn filesystem: files written and
+A pause captures memory and disk at one instant, so the guest itself never loses a write; but the disk layer
+it seals also stands alone (a compaction's, any reader of the repository's layers, a resume without its
+memory), and there dirty page cache and an unreplayed ext4 journal are a torn filesystem: files written and
 acknowledged before the pause but still in the guest's page cache are missing or empty (E2B #1104). So before
-a capture the node asks envd to ``sync()`` and freeze the root filesystem (``FIFREEZE``: ext4 flushes its
-journal, the image on disk is clean, and writers block until the thaw); after the capture it thaws
-(``FITHAW``). A pause does not thaw: the guest stops frozen, and the ``/init`` every resume and fork sends thaws
-it first thing. If the node never thaws (it died mid-capture), envd thaws by itself after
+a pause's capture the node asks envd to ``sync()`` and freeze the root filesystem (``FIFREEZE``: ext4 flushes
+its journal, the image on disk is clean, and writers block until the thaw). The guest stops frozen, and the
+``/init`` every resume and fork sends thaws it first thing (``FITHAW``); a pause whose capture failed thaws it
+with ``/thaw``. If the node never thaws (it died mid-capture), envd thaws by itself after
 :data:`AUTO_THAW_S` of guest time, which does not pass while the VM is paused.
 
 Why hand-written: two ioctls have no library; the ``fsfreeze`` tool is not on every image.
@@ -40,10 +40,6 @@ class Quiescer:
         self.fd: Optional[int] = None
         self._auto_thaw: Optional[trio.CancelScope] = None
         self._lock = trio.Lock()
-
-    @property
-    def frozen(self) -> bool:
-        return self.fd is not None
 
     async def freeze(self) -> tuple[bool, str]:
         """sync(), then freeze; (frozen, why not) — a filesystem that cannot freeze is still synced."""

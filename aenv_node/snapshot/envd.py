@@ -110,7 +110,7 @@ async def envd_metrics(host: str, *, access_token: str | None, timeout: float = 
 
 async def quiesce_guest(host: str, *, access_token: str | None, sandbox_id: str,
                         timeout: float = QUIESCE_TIMEOUT_S) -> bool:
-    """Ask envd to sync and freeze the guest's root filesystem before a capture (``guest/quiesce.py``); True
+    """Ask envd to sync and freeze the guest's root filesystem before a pause's capture (``guest/quiesce.py``); True
     if it froze. Never raises: a guest that cannot (an older envd, a filesystem that does not freeze, no answer
     in ``timeout``) is captured as it is, and the log says why."""
     async with httpx.AsyncClient(timeout=timeout) as client:
@@ -127,7 +127,7 @@ async def quiesce_guest(host: str, *, access_token: str | None, sandbox_id: str,
 
 
 async def thaw_guest(host: str, *, access_token: str | None, sandbox_id: str, timeout: float = 10.0) -> None:
-    """Thaw what :func:`quiesce_guest` froze (a capture that keeps the sandbox running, or failed). Never raises:
+    """Thaw what :func:`quiesce_guest` froze, for a pause whose capture failed (its guest runs on). Never raises:
     envd thaws by itself a little later if this does not reach it."""
     async with httpx.AsyncClient(timeout=timeout) as client:
         try:

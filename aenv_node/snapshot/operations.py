@@ -231,30 +231,23 @@ class SnapshotOperations:
 
     async def _capture(self, handle: LiveSandbox, *, kind: SnapshotKind, keep_running: bool,
                        name: Optional[str] = None, take_source_memory: bool = False) -> CaptureOutcome:
-        """Quiesce the guest's filesystem (``snapshot.quiesce``), capture, and thaw it if it keeps running (a
-        pause's guest stops frozen and is thawed by the ``/init`` of its resume; a failed capture's by
-        ``_after_failed_capture``)."""
-        quiesced = self.quiesce == "pause" and kind == SnapshotKind.PAUSE
-        if quiesced:
-            await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=handle.sandbox_id)
-        out = await capture_running(
+        return await capture_running(
             db=self.db, vm=handle.vm, image=handle.image, sandbox_id=handle.sandbox_id, source=handle.source,
             kind=kind, keep_running=keep_running, layers_dir=self.store.layers_dir,
             snapshots_dir=self.store.snapshots_dir, access_token=handle.access_token, env_vars=handle.env_vars,
             name=name, buffers=self.buffers, take_source_memory=take_source_memory)
-        if quiesced and keep_running:  # a pause that keeps running: not today, but never leave a guest frozen
-            await thaw_guest(handle.address, access_token=handle.access_token, sandbox_id=handle.sandbox_id)
-        return out
 
-    async def _after_failed_capture(self, handle: LiveSandbox, operation: str, exc: BaseException) -> None:
-        """Truthful state after a failed capture: running again if the VM runs, else error."""
+    async def _after_failed_capture(self, handle: LiveSandbox, operation: str, exc: BaseException, *,
+                                    thaw: bool = False) -> None:
+        """Truthful state after a failed capture: running again if the VM runs (``thaw``: its filesystem thawed
+        too), else error."""
         sid = handle.sandbox_id
         try:
             await handle.vm.resume()
             ok = True
         except Exception:
             ok = False
-        if ok and self.quiesce != "off":
+        if ok and thaw:
             await thaw_guest(handle.address, access_token=handle.access_token, sandbox_id=sid)
         message = f"{type(exc).__name__}: {exc}"
         await self.db.run(lambda s: repo.transition(s, sid, S.RUNNING if ok else S.ERROR, operation=operation,
@@ -307,12 +300,17 @@ class SnapshotOperations:
                                                         expect=[S.RUNNING]))
             handle.pausing = True  # traffic and resumes from now on wait for this pause (wait_out_pause)
             private = await self.db.run(SnapshotStore.memory_is_private, sandbox_id, handle.source.snapshot_id)
+            # ``snapshot.quiesce``: the guest's filesystem synced and frozen, so the sealed layer holds every
+            # acknowledged write; the guest stops frozen and the /init of its resume thaws it
+            quiesced = self.quiesce == "pause"
+            if quiesced:
+                await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=sandbox_id)
             try:
                 out = await self._capture(handle, kind=SnapshotKind.PAUSE, keep_running=False,
                                           take_source_memory=private)
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
-                    await self._after_failed_capture(handle, "pause", exc)
+                    await self._after_failed_capture(handle, "pause", exc, thaw=quiesced)
                 handle.pausing = False
                 raise
             handle.paused_snapshot_id = out.snapshot_id

@@ -22,7 +22,7 @@ import httpx
 
 from ... import __version__
 
-__all__ = ["Api", "Conn", "NodeUnreachable", "client_config_path", "connection_options", "load_client_config", "save_client_config"]
+__all__ = ["Api", "Conn", "NodeRefused", "NodeUnreachable", "client_config_path", "connection_options", "load_client_config", "save_client_config"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,6 +68,14 @@ class NodeUnreachable(click.ClickException):
     """The node did not answer at all (a command working through several ids stops at once)."""
 
 
+class NodeRefused(click.ClickException):
+    """The node answered with an error status (``status``); its message is the one line a user sees."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
 class Api:
     """The node's REST API: errors become one line (the node's E2B ``message``, or why it cannot be reached)."""
 
@@ -87,7 +95,7 @@ class Api:
                 message = resp.json()["message"]
             except (ValueError, KeyError, TypeError):
                 message = resp.text.strip()[:200] or resp.reason_phrase
-            raise click.ClickException(f"{resp.status_code}: {' '.join(str(message).split())}")
+            raise NodeRefused(resp.status_code, " ".join(str(message).split()))
         return resp
 
     def pages(self, path: str, params: dict[str, str]) -> list[Any]:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import click
 
-from .conn import Conn
+from .conn import Conn, NodeRefused
 from .output import err
 
 __all__ = ["sized_template"]
@@ -33,8 +33,8 @@ def _build_of(conn: Conn, info: dict[str, Any], tag: str) -> str:
 def _has_tag(conn: Conn, name: str, tag: str) -> bool:
     try:
         tags = conn.api.json("GET", f"/templates/{name}/tags")
-    except click.ClickException as exc:
-        if exc.message.startswith("404:"):
+    except NodeRefused as exc:
+        if exc.status == 404:
             return False
         raise
     return any(t.get("tag") == tag for t in tags)
