@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import shutil
-import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +62,7 @@ from ..templates import (
     split_name,
     touch,
 )
+from ..vmm import kill_recorded
 from .builds_in_progress import BuildsInProgress
 from .errors import NodeNotReady, TemplateBuildFailed, TemplateNotFound, TemplateNotReady, TemplateRequestError
 from .parts import NodeParts
@@ -135,26 +134,6 @@ def _fail_interrupted_builds(s: Session) -> list[str]:
     return [b.id for b in rows]
 
 
-def _kill_build_vmms(markers: list[str]) -> list[int]:
-    """SIGKILL every process whose command line names one of ``markers`` (a cut build's directories: its VMM,
-    which outlives a node killed hard, as sandboxes' VMMs do by design). Returns their pids."""
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if any(m.encode() in cmdline for m in markers):
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-            except ProcessLookupError:
-                pass
-    return killed
-
-
 def envd_version() -> str:
     """The version of the envd the guest kit ships."""
     return __envd_version__
@@ -197,8 +176,9 @@ class TemplateService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         cut = await self.parts.db.run(_fail_interrupted_builds)
         if cut:
-            markers = [str(d / b) for b in cut for d in (self.parts.cfg.state_dir / "builds", self.parts.cfg.run_dir)]
-            killed = await trio.to_thread.run_sync(_kill_build_vmms, markers)
+            run_dir = self.parts.cfg.run_dir
+            # a build VMM outlives a node killed hard, as sandboxes' VMMs do: killed by the pid it recorded
+            killed = [pid for b in cut if (pid := kill_recorded(run_dir / b / "vmm.pid", b)) is not None]
             log.warning("%d template builds were cut by the last stop (%s); their VMMs killed: %s", len(cut),
                         ", ".join(cut), killed or "none left")
             for b in cut:  # its sockets and its disk's upper; its logs stay for the post-mortem

@@ -68,6 +68,7 @@ async def open_machine(
             mem_file=mem_file,
             mem_mode=MemoryMode.SHARED if snapshot is None else MemoryMode.PRIVATE,
             api_socket=run_dir / "vmm.sock",
+            pid_file=run_dir / "vmm.pid",
             console_log=workdir / "console.log",
             netns=Path(slot.netns_path),
             accel=Accel(shape.accel),

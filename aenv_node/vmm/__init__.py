@@ -39,6 +39,7 @@ from .errors import (
 )
 from .firecracker import FirecrackerDriver, JailerConfig
 from .qemu import QemuDriver
+from .process import kill_recorded
 from .select import DriverChoice, make_driver
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "VmmStartError",
     "VmmTimeout",
     "detect_accel",
+    "kill_recorded",
     "make_driver",
     "memfile",
 ]

@@ -149,6 +149,9 @@ class VmConfig:
     netns: Path | None = None  # e.g. /run/netns/slot7: the VMM process runs in this network namespace
     accel: Accel = Accel.KVM
     name: str = "aenv-vm"
+    #: where the VMM's pid is written, by the process itself before the VMM binary runs (``vmm_process``):
+    #: a node killed at any moment leaves a record of every VMM it started, for its reconciler
+    pid_file: Path | None = None
 
     @property
     def mem_bytes(self) -> int:

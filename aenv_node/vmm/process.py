@@ -118,6 +118,40 @@ _LINK_SCRIPT = (
 )
 
 
+#: writes the shell's own pid (which the VMM keeps: everything after it execs in place), then execs
+#: (one write of a few bytes: a reader sees no file, or all of it; the writer is never killed by our crash)
+_PID_SCRIPT = 'echo $$ > "$1" || exit 125; shift; exec "$@"'
+
+
+def read_pid_file(path: Path) -> int | None:
+    """The pid a ``vmm_process(pid_file=...)`` recorded, or None (no file, or not a pid)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def kill_recorded(pid_file: Path, marker: str) -> int | None:
+    """SIGKILL the VMM a previous run recorded in ``pid_file`` if it still runs: only if that pid's command
+    line names ``marker`` (the sandbox or build it ran for), so a pid reused since is left alone. Returns the
+    pid killed. For reconcilers: a process is found by what was recorded, never by a scan of every process."""
+    pid = read_pid_file(pid_file)
+    if pid is None or pid == os.getpid():
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    if marker.encode() not in cmdline:
+        return None
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
 @dataclass(frozen=True)
 class StableLinks:
     """Fixed paths for a VMM's files, the same in every process: ``dir/name`` -> ``target``.
@@ -157,6 +191,7 @@ async def vmm_process(
     extra_logs: Sequence[Path] = (),
     seccomp: SeccompFilter | None = None,
     stable_links: StableLinks | None = None,
+    pid_file: Path | None = None,
 ) -> AsyncIterator[VmmProcess]:
     """Start `argv` (inside `netns` if given); kill, reap and remove `sockets` on exit.
 
@@ -167,6 +202,9 @@ async def vmm_process(
     `seccomp`: a filter the VMM (and `nsenter` before it) runs under from its first instruction: installed
     by the `aenv-seccomp-exec` helper when it is installed, else in the child between fork and exec (which
     costs a fork of this process instead of a vfork; see `seccomp.py`).
+    `pid_file`: the child writes its pid there before anything else runs; every wrapper execs
+    in place, so it is the VMM's pid. Written by the child, not by us after the spawn: a node killed between
+    the fork and its own write would leave a VMM nobody recorded. Removed with the process.
     """
     exe = argv[0]
     if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
@@ -188,6 +226,9 @@ async def vmm_process(
             full_argv = [*seccomp.exec_prefix(helper), *full_argv]
         else:
             preexec = seccomp.install  # two prctl() calls through pre-built ctypes objects in the child
+    if pid_file is not None:
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        full_argv = ["/bin/sh", "-c", _PID_SCRIPT, "sh", str(pid_file), *full_argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_f:
         out_f = open(stdout_path, "wb") if stdout_path is not None else None
@@ -210,6 +251,8 @@ async def vmm_process(
     finally:
         with trio.CancelScope(shield=True):
             await vp.kill()
+            if pid_file is not None:
+                pid_file.unlink(missing_ok=True)
             for s in sockets:
                 try:
                     s.unlink(missing_ok=True)

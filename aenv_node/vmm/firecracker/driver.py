@@ -219,6 +219,7 @@ class FirecrackerDriver:
             cwd=wd,
             extra_logs=[log],
             stable_links=links,
+            pid_file=config.pid_file,
         ) as proc:
             await proc.wait_for_socket(paths.api_socket, self.start_timeout_s)
             api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)

@@ -306,6 +306,7 @@ class QemuDriver:
             netns=config.netns,
             cwd=config.workdir,
             seccomp=guard,
+            pid_file=config.pid_file,
         ) as proc:
             await proc.wait_for_socket(sock, self.start_timeout_s)
             try:
