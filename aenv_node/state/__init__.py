@@ -2,7 +2,7 @@
 repository functions that change it (each change with its event row)."""
 
 from .db import Database
-from .errors import IdempotencyMismatch, IllegalTransition, NotFound, StateError
+from .errors import DatabaseBusy, IdempotencyMismatch, IllegalTransition, NotFound, StateError
 from .ids import new_id
 from .models import (
     Base,
@@ -38,6 +38,7 @@ __all__ = [
     "Database",
     "StateError",
     "NotFound",
+    "DatabaseBusy",
     "IdempotencyMismatch",
     "IllegalTransition",
     "Base",

@@ -2,7 +2,10 @@
 
 SQLite is the truth (DESIGN.md). Every connection runs in WAL mode with foreign
 keys on and a busy timeout, so the node, the CLI and a person running
-``sqlite3 aenv.db`` can all read while the node writes.
+``sqlite3 aenv.db`` can all read while the node writes. A write that waits out
+the busy timeout (another connection holds the write lock: a person's open
+``BEGIN IMMEDIATE``, a backup) raises ``DatabaseBusy``, which the API answers
+with 503: the transaction rolled back whole, so nothing of it is kept.
 
 Sessions are synchronous SQLAlchemy sessions; async code calls them through
 ``trio.to_thread.run_sync`` (see ``Database.run``), with one bounded limiter so
@@ -19,9 +22,15 @@ from typing import Any, Callable, Concatenate, Iterator, ParamSpec, TypeVar
 import trio
 from alembic import command
 from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-__all__ = ["Database", "migrations_dir", "alembic_config"]
+from .errors import DatabaseBusy
+
+__all__ = ["Database", "migrations_dir", "alembic_config", "BUSY_TIMEOUT_MS"]
+
+#: how long a connection waits for another's write lock before ``DatabaseBusy``
+BUSY_TIMEOUT_MS = 10_000
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -51,7 +60,7 @@ def _on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
 
@@ -109,8 +118,14 @@ class Database:
     @contextlib.contextmanager
     def session(self) -> Iterator[Session]:
         """A session whose work commits as ONE transaction when the block exits cleanly."""
-        with self._sessions() as s, s.begin():
-            yield s
+        try:
+            with self._sessions() as s, s.begin():
+                yield s
+        except OperationalError as exc:
+            if "locked" in str(exc.orig) or "busy" in str(exc.orig):
+                raise DatabaseBusy(f"the node's database is busy: another connection held its write lock for "
+                                   f"over {BUSY_TIMEOUT_MS // 1000} s; try again") from exc
+            raise
 
     async def run(self, fn: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn(session, *args, **kwargs)`` in one transaction, in a worker thread."""

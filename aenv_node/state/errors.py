@@ -38,3 +38,7 @@ class IdempotencyMismatch(StateError):
         self.sandbox_id = sandbox_id
         super().__init__(f"Idempotency-Key {key!r} was used for another request (it created sandbox {sandbox_id}); "
                          "use a new key for a new request")
+
+
+class DatabaseBusy(StateError):
+    """A transaction waited out the busy timeout for another connection's write lock (rolled back whole)."""

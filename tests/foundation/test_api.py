@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import httpx
@@ -173,6 +174,48 @@ async def test_get_sandbox_detail_and_timeout(live_node) -> None:
         assert 3590 < (end - utcnow()).total_seconds() <= 3600
         assert_e2b_error(await c.post("/sandboxes/sbT/timeout", json={"timeout": 10**9}), 400, "maximum")
         assert_e2b_error(await c.post("/sandboxes/nope/timeout", json={"timeout": 5}), 404)
+
+
+async def test_a_database_held_busy_answers_503_and_keeps_nothing(live_node) -> None:
+    """Another connection holding SQLite's write lock (a person's open ``BEGIN IMMEDIATE``): a write waits for
+    it; past the busy timeout it answers E2B's 503 and its transaction is rolled back whole; once the lock
+    goes, the same request succeeds."""
+    import sqlite3
+
+    from aenv_node.state.db import BUSY_TIMEOUT_MS
+
+    _insert(live_node, "sbL", SandboxState.RUNNING, {}, utcnow())
+    path = live_node.node.cfg.database_path
+    events = lambda: sqlite3.connect(path).execute(  # noqa: E731
+        "SELECT count(*) FROM events").fetchone()[0]
+
+    def hold(seconds: float) -> None:
+        con = sqlite3.connect(path, isolation_level=None)
+        con.execute("BEGIN IMMEDIATE")
+        time.sleep(seconds)
+        con.execute("ROLLBACK")
+        con.close()
+
+    async with live_node.client() as c, trio.open_nursery() as n:
+        end0 = (await c.get("/sandboxes/sbL")).json()["endAt"]
+        # held for less than the busy timeout: the write waits, then succeeds
+        n.start_soon(trio.to_thread.run_sync, hold, 1.5)
+        await trio.sleep(0.3)
+        t0 = time.monotonic()
+        r = await c.post("/sandboxes/sbL/timeout", json={"timeout": 1800})
+        assert r.status_code == 204 and time.monotonic() - t0 > 1.0
+        await trio.sleep(1.5)
+        end1 = (await c.get("/sandboxes/sbL")).json()["endAt"]
+        assert end1 != end0
+        before = events()
+        # held past it: 503, and nothing of the request is kept
+        n.start_soon(trio.to_thread.run_sync, hold, BUSY_TIMEOUT_MS / 1000 + 3)
+        await trio.sleep(0.3)
+        assert_e2b_error(await c.post("/sandboxes/sbL/timeout", json={"timeout": 3600}), 503, "database is busy")
+        assert (await c.get("/sandboxes/sbL")).json()["endAt"] == end1
+        assert events() == before
+    async with live_node.client() as c:
+        assert (await c.post("/sandboxes/sbL/timeout", json={"timeout": 3600})).status_code == 204
 
 
 # ----- one schema source: models validate, serialize and document -----------------------------------------
