@@ -88,6 +88,9 @@ class Node:
     tracker: OperationTracker = field(default_factory=OperationTracker)
     services: list[Service] = field(default_factory=list)
     reconcilers: list[Reconciler] = field(default_factory=list)
+    #: run by a graceful shutdown once in-flight operations are done and before any service stops (the
+    #: sandbox service pauses every running sandbox here: a stop never kills one)
+    drainers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     version: str = __version__
     #: Set to begin a graceful shutdown (the supervisor and the API server wait on it).

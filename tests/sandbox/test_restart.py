@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import Sandbox
 
@@ -306,3 +307,54 @@ def test_only_one_node_runs_a_sandbox_shared_through_the_repository(monkeypatch:
                 pass
         for d in [repo, *states]:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_graceful_stop_pauses_running_sandboxes_and_refuses_new_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM never kills a sandbox: each running one is paused (its files and processes kept) and its
+    pause published, while new operations get E2B's 503; the next start resumes them where they were."""
+    state = Path("/var/tmp") / f"aenv-stop-{os.getpid()}-{random.randrange(10**6)}"
+    pool = free_pool_cidr()
+    port = free_port()
+    node = _start(state, port, pool)
+    try:
+        for k, v in node.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        boxes = [Sandbox.create(timeout=600) for _ in range(2)]
+        for sb in boxes:
+            sb.files.write("/home/user/kept.txt", f"kept by {sb.sandbox_id}")
+            sb.commands.run("sleep 3600", background=True)
+            # dirty memory, so the pauses (and with them the drain) take a while
+            sb.commands.run("head -c 64M /dev/urandom > /dev/shm/ballast")
+
+        node.proc.send_signal(signal.SIGTERM)
+        answers: list[object] = []
+        with node.api() as c:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                try:
+                    r = c.post("/sandboxes", json={"templateID": "base"})
+                except httpx.TransportError:
+                    break  # the API is down: the stop is past its drain
+                answers.append((r.status_code, r.json()))
+        node.proc.wait(timeout=120)
+        assert answers, "no request was answered while the node drained"
+        assert {a[0] for a in answers} == {503}, answers  # type: ignore[index]
+        assert all(set(a[1]) >= {"code", "message"} for a in answers)  # type: ignore[index]
+        for sb in boxes:
+            rows = node.sql(f"SELECT operation, to_state FROM events WHERE sandbox_id = '{sb.sandbox_id}' "
+                            "AND subject = 'sandbox' ORDER BY id")
+            assert ("node_stop", "pausing") in rows and rows[-1][1] == "paused", rows
+            assert "killing" not in {r[1] for r in rows}, rows
+            record = json.loads((state / "repository" / "manifests" / f"sandbox-{sb.sandbox_id}.json").read_text())
+            assert record["state"] == "paused", record
+
+        node = _start(state, port, pool)
+        for sb in boxes:
+            back = Sandbox.connect(sb.sandbox_id)
+            assert back.files.read("/home/user/kept.txt") == f"kept by {sb.sandbox_id}"
+            assert back.commands.run("pgrep -x sleep").exit_code == 0  # its process lived through the stop
+            back.kill()
+    finally:
+        stop_node(node.proc)
+        shutil.rmtree(state, ignore_errors=True)
