@@ -35,7 +35,8 @@ from ..runtime.errors import (
     TemplateRequestError,
 )
 from ..snapshot.envd import EnvdUnavailable
-from ..state.errors import IdempotencyMismatch, IllegalTransition, NotFound
+from ..state.errors import DatabaseBusy, IdempotencyMismatch, IllegalTransition, NotFound
+from ..vmm.errors import VmmExited
 from ..storage.repository.errors import OwnershipConflict, OwnershipLost, OwnershipUnsupported
 
 __all__ = ["ApiError", "ERROR_CODE", "ERROR_STATUS", "mapped_status", "status_for", "error_response", "install_error_handlers"]
@@ -61,6 +62,7 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     NotFound: 404,
     IllegalTransition: 409,
     IdempotencyMismatch: 409,
+    DatabaseBusy: 503,
     # bad configuration or policy given by the user
     ConfigError: 400,
     EgressPolicyError: 400,
@@ -76,8 +78,9 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     NodeNotReady: 503,
     NodeDraining: 503,
     PoolExhausted: 503,
-    # the guest's agent did not answer
+    # the guest's agent did not answer, or the sandbox's VMM died under the operation
     EnvdUnavailable: 502,
+    VmmExited: 502,
     # the shared repository's ownership record (single writer across nodes)
     OwnershipConflict: 409,
     OwnershipLost: 404,

@@ -66,8 +66,14 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> Non
     from ..runtime.assemble import install_sandbox_services
     from ..state import Database
 
+    from ..faults import check_armed
+
     cfg = _cfg(ctx, state_dir, listen=listen)
     setup_logging(cfg.node.log_level)
+    try:
+        check_armed()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     key, key_path = ensure_api_key(cfg)
     node = Node(cfg, Database(cfg.database_path), key, key_path)

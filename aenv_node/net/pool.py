@@ -94,7 +94,9 @@ class SlotPool:
         self._retry_delay = retry_delay
         self._idle: list[Slot] = []
         self._leased: dict[int, Slot] = {}
-        self._creating = 0
+        #: slots the refiller is making for the idle list (a release keeps a slot only while idle ones and
+        #: these are short of ``size``, or the two together overshoot it)
+        self._refilling = 0
         self._closed = False
         self._wake = trio.Event()  # set when the refiller should look again
         self._changed = trio.Event()  # set (and replaced) whenever the idle list changes
@@ -134,7 +136,8 @@ class SlotPool:
         is retried every ``retry_delay`` seconds and logged)."""
         started = False
         while not self._closed:
-            if len(self._idle) + self._creating < self.size:
+            if len(self._idle) + self._refilling < self.size:
+                self._refilling += 1
                 try:
                     slot = await self._make()
                 except (NetError, OSError) as e:
@@ -144,6 +147,8 @@ class SlotPool:
                         started = True
                     await trio.sleep(self._retry_delay)
                     continue
+                finally:
+                    self._refilling -= 1
                 if self._closed:
                     await self._destroy(slot)
                     break
@@ -191,7 +196,7 @@ class SlotPool:
         if self._leased.pop(slot.index, None) is None:
             raise SlotError(f"slot {slot.index} was not acquired from this pool")
         with trio.CancelScope(shield=True):
-            if reuse and not self._closed and len(self._idle) < self.size:
+            if reuse and not self._closed and len(self._idle) + self._refilling < self.size:
                 try:
                     await slot.reset()
                 except NetError as e:
@@ -219,7 +224,6 @@ class SlotPool:
 
     async def _make(self, policy: EgressPolicy | None = None) -> Slot:
         index = await self.allocator.allocate()
-        self._creating += 1
         try:
             slot = await self._factory(self.config, index)
             if policy is not None:
@@ -232,8 +236,6 @@ class SlotPool:
                 except NetError as e:  # keep the index taken: the reconciler deals with it
                     log.error("cleanup of slot %d failed: %s", index, e)
             raise
-        finally:
-            self._creating -= 1
         return slot
 
     async def _destroy(self, slot: Slot) -> None:

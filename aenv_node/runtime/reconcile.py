@@ -6,15 +6,20 @@ creating, running, pausing, ... and perhaps VMM processes, network namespaces,
 sockets and uppers. Each such sandbox becomes:
 
 * paused, if it was resuming (its pause snapshot is intact);
+* paused at its new snapshot, if it was pausing and that pause's capture
+  had committed (the stop came before the paused transition);
 * paused at its newest periodic snapshot, if it has one (published again, so
   the repository's record says paused instead of running here), also when the
   node died in the middle of a capture (snapshotting, forking: the sandbox
   was running, and the interrupted capture committed nothing);
 * killed otherwise, with the reason in its event.
 
-Then what its run left is removed: the VMM (by the pid the row recorded, and
-only if that process is this sandbox's), its run and work directories, its
+Then what its run left is removed: the VMM (by the pid it wrote to its run
+directory before it ran, else the one the row recorded, and only if that
+process is this sandbox's), its run and work directories, its
 repository ownership record, and every network slot of this node's range.
+A sandbox paused here whose snapshot was never published (the stop came
+between the pause and its publish) is queued for publishing again.
 """
 
 from __future__ import annotations
@@ -32,8 +37,18 @@ from ..net import remove_orphans
 from ..snapshot.operations import SnapshotOperations
 from ..snapshot.publish import settle_record
 from ..snapshot.store import SnapshotStore
-from ..state import NetworkSlot, Sandbox, SandboxState
+from ..state import (
+    Event,
+    EventSubject,
+    NetworkSlot,
+    Sandbox,
+    SandboxState,
+    Snapshot,
+    SnapshotKind,
+    SnapshotStatus,
+)
 from ..state import repository as repo
+from ..vmm import kill_recorded
 from .node import Node
 from .parts import NodeParts
 
@@ -61,6 +76,19 @@ def _left_live(s: Session) -> list[tuple[str, Optional[int]]]:
         select(Sandbox.id, Sandbox.vmm_pid).where(Sandbox.state.in_(LIVE_STATES)))]
 
 
+def _pause_snapshot_of_this_pause(s: Session, sandbox_id: str) -> Optional[str]:
+    """The pause snapshot a sandbox left pausing committed during that pause (None if none): the newest
+    committed pause snapshot of it created since its last pausing transition."""
+    began = s.scalar(select(Event.ts).where(Event.sandbox_id == sandbox_id, Event.subject == EventSubject.SANDBOX,
+                                            Event.to_state == S.PAUSING.value).order_by(Event.id.desc()).limit(1))
+    if began is None:
+        return None
+    return s.scalar(select(Snapshot.id).where(
+        Snapshot.source_sandbox_id == sandbox_id, Snapshot.kind == SnapshotKind.PAUSE,
+        Snapshot.status == SnapshotStatus.COMMITTED, Snapshot.created_at >= began)
+        .order_by(Snapshot.created_at.desc()).limit(1))
+
+
 def _settle_rows(s: Session) -> list[tuple[str, str]]:
     """Every sandbox the previous run left live, settled; (snapshot, sandbox) to publish again."""
     republish: list[tuple[str, str]] = []
@@ -76,6 +104,15 @@ def _settle_rows(s: Session) -> list[tuple[str, str]]:
             repo.transition(s, sb.id, S.RUNNING, operation="reconcile",
                             detail={"reason": f"the node restarted during a capture ({current})"})
             current = S.RUNNING
+        if current == S.PAUSING:
+            taken = _pause_snapshot_of_this_pause(s, sb.id)
+            if taken is not None:
+                # the node died after the pause's capture committed: the sandbox is paused there
+                repo.transition(s, sb.id, S.PAUSED, operation="reconcile", snapshot_id=taken, vmm_pid=None,
+                                slot_index=None, detail={"reason": "the node restarted after the pause's snapshot "
+                                                                   "committed", "snapshot_id": taken})
+                republish.append((taken, sb.id))
+                continue
         periodic = SnapshotStore.latest_periodic(s, sb.id)
         if periodic is not None and current in (S.RUNNING, S.PAUSING):
             if current != S.PAUSING:
@@ -93,6 +130,13 @@ def _settle_rows(s: Session) -> list[tuple[str, str]]:
     return republish
 
 
+def _unpublished_pauses(s: Session) -> list[tuple[str, str]]:
+    """(snapshot, sandbox) of every sandbox paused here at a snapshot not yet published."""
+    return [(snap, sid) for sid, snap in s.execute(
+        select(Sandbox.id, Sandbox.snapshot_id).join(Snapshot, Snapshot.id == Sandbox.snapshot_id)
+        .where(Sandbox.state == S.PAUSED, Snapshot.published.is_(False))) if snap is not None]
+
+
 class Reconciler:
     """The node's reconciler (``Node.reconcilers``); see the module docstring."""
 
@@ -106,16 +150,23 @@ class Reconciler:
         # what the last run left goes first, whatever the rows below turn out to need: nothing else owns it
         found = await p.db.run(_left_live)
         for sid, pid in found:
-            if pid and _is_our_vmm(pid, sid):
-                log.warning("reconcile: killing leftover VMM %d of sandbox %s", pid, sid)
+            # the pid the VMM itself recorded before it ran (a create or a fork child killed before its row
+            # named one), else the row's
+            killed = kill_recorded(p.cfg.run_dir / sid / "vmm.pid", sid)
+            if killed is None and pid and _is_our_vmm(pid, sid):
                 try:
                     os.kill(pid, 9)
+                    killed = pid
                 except ProcessLookupError:
                     pass
+            if killed is not None:
+                log.warning("reconcile: killed leftover VMM %d of sandbox %s", killed, sid)
             # its sockets and its writable upper died with it (a pause's state is in its snapshot)
             shutil.rmtree(p.cfg.run_dir / sid, ignore_errors=True)
             shutil.rmtree(p.cfg.sandboxes_dir / sid, ignore_errors=True)
         republish = await p.db.run(_settle_rows)
+        # pauses whose publish the stop cut (their local snapshot is whole; the repository's record is not)
+        republish += await p.db.run(_unpublished_pauses)
         for snapshot_id, sid in republish:
             # published as a pause once the operations run, so its repository record says paused (and other
             # nodes may resume it) instead of running on this node

@@ -26,6 +26,7 @@ import trio
 from sqlalchemy.orm import Session
 
 from ..config import LogsSection
+from ..faults import crash_point
 from ..net import EgressPolicy, Slot, SlotPool
 from ..snapshot.envd import init_envd
 from ..snapshot.machine import open_machine
@@ -34,7 +35,7 @@ from ..state import Database, Sandbox, SandboxState
 from ..state import repository as repo
 from ..storage import Image, LayerSourceProvider, open_image
 from ..storage.frontends import DiskFrontend
-from ..vmm import Vm, VmmDriver
+from ..vmm import Vm, VmmDriver, VmmExited
 from .console_log import ConsoleLog
 
 __all__ = ["SandboxSpec", "SandboxHandle", "run_sandbox"]
@@ -122,12 +123,10 @@ async def run_sandbox(
                                         run_dir=spec.run_dir, snapshot=src.files,
                                         name=f"aenv-{sid}", frontend=frontend) as m:
                     t_restored = time.monotonic()
-                    await init_envd(slot.address, env_vars=spec.env_vars,
-                                    access_token=spec.access_token,
-                                    previous_token=spec.previous_token,
-                                    default_user=spec.default_user,
-                                    default_workdir=spec.default_workdir)
+                    crash_point("launch.vmm_started", vmm_pid=m.vm.pid)
+                    await _init_or_exit(m.vm, slot.address, spec)
                     duration_ms = (time.monotonic() - t0) * 1000
+                    crash_point("launch.envd_ready", vmm_pid=m.vm.pid)
                     handle = SandboxHandle(
                         sid, slot.address, spec.access_token, slot.index, m.vm.pid, source=src.copy(),
                         vm=m.vm, image=image, slot=slot, env_vars=dict(spec.env_vars),
@@ -149,6 +148,11 @@ async def run_sandbox(
                         async def vmm_watch() -> None:
                             nonlocal vm_exit
                             vm_exit = await m.vm.wait()
+                            if started.pausing:
+                                # a pause in progress ends the run itself: paused if its capture was whole
+                                # before the VMM died, else failed (error); the disk must stay open for its seal
+                                log.warning("sandbox %s: its VMM exited (status %s) during its pause", sid, vm_exit)
+                                return
                             started.request_stop("vmm_exit")
 
                         watch.start_soon(vmm_watch)
@@ -198,6 +202,32 @@ async def run_sandbox(
                 log.exception("recording the end of sandbox %s failed", sid)
             if handle is not None:
                 handle.done.set()
+
+
+async def _init_or_exit(vm: Vm, address: str, spec: SandboxSpec) -> None:
+    """envd's ``/init``, unless the VMM exits first: then ``VmmExited`` says so at once (instead of envd's
+    retries running out against a guest that is gone)."""
+    exit_status: int | None = None
+    failure: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            nonlocal exit_status
+            exit_status = await vm.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            await init_envd(address, env_vars=spec.env_vars, access_token=spec.access_token,
+                            previous_token=spec.previous_token, default_user=spec.default_user,
+                            default_workdir=spec.default_workdir)
+        except Exception as exc:  # raised below, unwrapped: the caller maps it to its answer
+            failure = exc
+        nursery.cancel_scope.cancel()
+    if exit_status is not None:
+        raise VmmExited(f"the VMM exited (status {exit_status}) before envd answered /init; see "
+                        f"{spec.workdir}/console.log") from failure
+    if failure is not None:
+        raise failure
 
 
 def _record_end(s: Session, sb: Sandbox, current: SandboxState, *, reason: str, error: Optional[str],

@@ -19,6 +19,7 @@ import trio
 from sqlalchemy.orm import Session
 
 from ..config import Config
+from ..faults import crash_point
 from ..net import EgressPolicy
 from ..snapshot.envd import envd_metrics
 from ..snapshot.operations import Launch, SnapshotOperations
@@ -72,6 +73,7 @@ class SandboxService:
         #: one lock per Idempotency-Key being created: a retry that arrives meanwhile waits for the first
         self._key_locks: dict[str, trio.Lock] = {}
         registry.stopped_hooks.append(self._settle_record)
+        node.drainers.append(self.pause_all)
 
     @property
     def live(self) -> dict[str, SandboxHandle]:
@@ -128,6 +130,7 @@ class SandboxService:
                     record(s, req.idempotency_key, digest, sid)  # with the sandbox: never one without the other
 
             await self.db.run(insert)
+            crash_point("create.inserted")
             await self.registry.launch(Launch(sid, source, env_vars=env_vars, access_token=token,
                                               previous_token=source.access_token, policy=policy,
                                               operation="create", traffic_token=traffic))
@@ -203,6 +206,37 @@ class SandboxService:
         raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
 
     # -- the snapshot operations, admitted ---------------------------------------------------------------
+    async def pause_all(self, *, reason: str = "node_stop") -> None:
+        """Pause every running sandbox, a few at a time, then wait for their publishes (``Node.drainers``:
+        a graceful stop never kills a sandbox). Not admitted by the tracker: it runs while the node drains. A
+        sandbox whose pause fails keeps running (the pause's own rollback) and ends with the node, its error
+        recorded. Publishes are waited for ``node.shutdown_grace_s`` at most (the next start publishes the
+        rest)."""
+        limiter = trio.CapacityLimiter(4)
+        paused: list[str] = []
+
+        async def one(sid: str) -> None:
+            async with limiter:
+                handle = self.registry.get(sid)
+                if handle is None or handle.stop_requested.is_set():
+                    return
+                try:
+                    await self.ops.pause(sid, reason=reason)
+                    paused.append(sid)
+                except Exception as exc:
+                    log.warning("pausing %s for the node's stop failed: %s", sid, exc)
+
+        running = list(self.live)
+        if not running:
+            return
+        log.info("pausing %d running sandboxes before stopping", len(running))
+        async with trio.open_nursery() as nursery:
+            for sid in running:
+                nursery.start_soon(one, sid)
+        with trio.move_on_after(self.cfg.node.shutdown_grace_s):
+            await self.ops.wait_published()
+        log.info("paused %d of %d running sandboxes for the stop", len(paused), len(running))
+
     async def pause(self, sandbox_id: str, *, reason: str = "pause") -> None:
         async with self.node.tracker.operation("pause"):
             await self.ops.pause(sandbox_id, reason=reason)

@@ -37,12 +37,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import trio
 
 from sqlalchemy.orm import Session
 
+from ..faults import crash_point
 from ..state import (
     Database,
     EventSubject,
@@ -129,6 +130,7 @@ async def capture_running(
     name: Optional[str] = None,
     buffers: Optional[CaptureBufferPool] = None,
     take_source_memory: bool = False,
+    also_commit: Optional[Callable[[Session, str], None]] = None,
 ) -> CaptureOutcome:
     """Capture `vm` into a new snapshot (see the module docstring); returns when it is committed.
 
@@ -136,7 +138,10 @@ async def capture_running(
     by this capture (a pause of a sandbox resumed from its own previous pause, nothing else restored from
     it): instead of copying it, move it into the new snapshot and patch the dirty pages in place. The VM
     does not notice: every page patched is one it holds a private copy of. Moved back if the capture
-    fails."""
+    fails.
+
+    `also_commit(session, snapshot_id)`: more rows committed in the snapshot's own transaction (a user
+    snapshot's template: a snapshot is never committed without what makes it visible)."""
     t0 = time.monotonic()
     snapshot_id = new_id("snp_")
     snap_dir = snapshots_dir / snapshot_id
@@ -149,6 +154,7 @@ async def capture_running(
             tp = time.monotonic()  # the vCPUs stop in capture()
             cap = await vm.capture(snap_dir / "vmstate", diff, kind=CaptureKind.DIFF, buffer=buf)
             steps["capture_ms"] = (time.monotonic() - tp) * 1000
+            crash_point("capture.captured", vmm_pid=vm.pid)
             frozen = await trio.to_thread.run_sync(image.freeze)
             if keep_running:
                 await vm.resume()
@@ -180,6 +186,7 @@ async def capture_running(
             steps["persist_ms"] = (time.monotonic() - t1) * 1000
             sealed, mem_layer = done["seal"], done["memory_layer"]
             diff.unlink(missing_ok=True)
+            crash_point("capture.sealed", vmm_pid=vm.pid)
         disk_layers = tuple(source.disk_layers) + (LayerRef.local(sealed.path, layer_digest(sealed)),)
         memory_layers = source.memory_layers + [layer_digest(mem_layer)]
 
@@ -200,6 +207,8 @@ async def capture_running(
             ))
             s.flush()
             record_stack(s, snapshot_id, disk_layers, memory_layers)
+            if also_commit is not None:
+                also_commit(s, snapshot_id)
             record_event(s, "snapshot_commit", sandbox_id=sandbox_id, subject=EventSubject.SNAPSHOT,
                          subject_id=snapshot_id, to_state=SnapshotStatus.COMMITTED,
                          duration_ms=(time.monotonic() - t0) * 1000,

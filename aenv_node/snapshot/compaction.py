@@ -19,6 +19,7 @@ from pathlib import Path
 import trio
 from sqlalchemy.orm import Session
 
+from ..faults import crash_point
 from ..state import Database, EventSubject, Layer, LayerKind, Snapshot, SnapshotStatus
 from ..state.repository import record_event
 from ..storage import LayerInfo, LayerReader, compact_layers
@@ -57,6 +58,7 @@ async def compact_snapshot(db: Database, layers_dir: Path, snapshot_id: str, *, 
         t0 = time.monotonic()
         info = await trio.to_thread.run_sync(_rewrite, paths, layers_dir)
         digest = f"sha256:{info.digest}"
+        crash_point("compaction.written")
 
         def swap(s: Session, kind: LayerKind = kind, keep: int = keep, before: int = len(rows),
                  t0: float = t0) -> None:

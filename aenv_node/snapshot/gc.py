@@ -71,9 +71,10 @@ Why this is safe:
 The start-up pass (``sweep_orphans``, before any sandbox exists) also removes
 files no row references: ``*.layer`` files in the layers directory that no
 ``layers`` row names, and snapshot directories of no (or a collected)
-snapshot, if older than a grace period. Temporary files (names starting with
-``.``, or ending in ``.part``/``.tmp``) are never swept: they belong to
-operations in progress.
+snapshot, if older than a grace period; and every temporary file (names
+starting with ``.``, or ending in ``.part``/``.tmp``) in those directories and
+in committed snapshots' directories, whatever its age: nothing of this run is
+in progress yet, so a temporary belongs to an operation a crash cut.
 
 Out of scope: objects in a shared repository (posix_fs, s3). A killed
 sandbox's ``sandbox-<id>`` pointer is removed by the kill as before; the
@@ -96,6 +97,7 @@ import trio
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from ..faults import crash_point
 from ..state import Database, EventSubject
 from ..state.repository import record_event
 
@@ -167,8 +169,12 @@ UPDATE layers SET refcount =
        AND s.memory_base_layer = layers.digest)
 """
 
-#: Suffixes of files that belong to an operation in progress (never swept).
+#: Suffixes of files that belong to an operation in progress (swept only at start-up).
 _TEMP_SUFFIXES = (".part", ".tmp")
+
+
+def _is_temporary(name: str) -> bool:
+    return name.startswith(".") or name.endswith(_TEMP_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -349,6 +355,7 @@ class GarbageCollector:
             t0 = time.monotonic()
             out = await self.db.run(self._mark, reason, live_snaps, live_digests)
             if not out.empty:
+                crash_point("gc.marked")
                 with trio.CancelScope(shield=True):  # committed: the files go now, or at start-up
                     await trio.to_thread.run_sync(self._remove, out.files)
                 log.info("gc (%s): %d snapshots, %d layers, %d orphans collected, %.1f MiB freed in %.0f ms",
@@ -423,27 +430,35 @@ class GarbageCollector:
             except OSError:
                 return True
 
+        def orphan(p: Path) -> None:
+            out.orphans.append(str(p))
+            out.files.append(p)
+
         if self.layers_dir.is_dir():
             for p in sorted(self.layers_dir.iterdir()):
                 n = p.name
-                if n.startswith(".") or n.endswith(_TEMP_SUFFIXES) or not p.is_file() or p.is_symlink():
+                if not p.is_file() or p.is_symlink():
                     continue
-                if n in known_layers or young(p):
-                    continue
-                out.orphans.append(str(p))
-                out.files.append(p)
+                if _is_temporary(n) or (n not in known_layers and not young(p)):
+                    orphan(p)
         if self.snapshots_dir.is_dir():
             for p in sorted(self.snapshots_dir.iterdir()):
                 n = p.name
-                if n.startswith(".") or n.endswith(_TEMP_SUFFIXES) or p.is_symlink():
+                if p.is_symlink():
+                    continue
+                if _is_temporary(n):
+                    orphan(p)
                     continue
                 status = snaps.get(n)
                 if status is not None and status != "collected":
+                    if p.is_dir():  # a committed snapshot's materialization a crash cut
+                        for f in sorted(p.iterdir()):
+                            if _is_temporary(f.name) and not f.is_symlink():
+                                orphan(f)
                     continue
                 if status is None and young(p):
                     continue  # unknown and recent: perhaps a capture or an import in progress
-                out.orphans.append(str(p))
-                out.files.append(p)
+                orphan(p)
         if out.empty:
             return out
         out.bytes_freed = sum(_allocated(p) for p in out.files)

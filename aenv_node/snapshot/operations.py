@@ -28,11 +28,12 @@ import logging
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import trio
 from sqlalchemy.orm import Session
 
+from ..faults import crash_point
 from ..net import EgressPolicy, Slot
 from ..state import (
     Database,
@@ -141,6 +142,10 @@ class SnapshotOperations:
         #: held by a resume and around a publish's record update, so they never interleave
         self._resume_locks: dict[str, trio.Lock] = {}
         self._after_pause_send, self._after_pause_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
+        #: pauses queued or being published (``wait_published``)
+        self._publishing = 0
+        self._published = trio.Event()
+        self._published.set()
 
     # -- background work after a pause ---------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -152,12 +157,26 @@ class SnapshotOperations:
 
     def after_pause(self, snapshot_id: str, sandbox_id: str) -> None:
         """Queue the publish and compaction of a pause snapshot (also for the reconciler's pauses)."""
+        if self._publishing == 0:
+            self._published = trio.Event()
+        self._publishing += 1
         self._after_pause_send.send_nowait((snapshot_id, sandbox_id))
+
+    async def wait_published(self) -> None:
+        """Until every pause queued so far is published (or its publish failed): a graceful stop waits here,
+        so the repository's record of each sandbox it paused says paused. One cut short anyway is published
+        again by the next start's reconcile."""
+        await self._published.wait()
 
     async def _publish_then_compact(self, snapshot_id: str, sandbox_id: str) -> None:
         """In this order: a compaction replaces layers and the collection after it removes them, which must
         not happen under an upload of them."""
-        await self._publish_quietly(snapshot_id, sandbox_id)
+        try:
+            await self._publish_quietly(snapshot_id, sandbox_id)
+        finally:
+            self._publishing -= 1
+            if self._publishing == 0:
+                self._published.set()
         await self._compact_quietly(snapshot_id)
 
     def resume_lock(self, sandbox_id: str) -> trio.Lock:
@@ -205,12 +224,20 @@ class SnapshotOperations:
         """Capture a sandbox that keeps running (snapshot, fork, periodic); the caller holds its op_lock."""
         sid = handle.sandbox_id
         await self.db.run(lambda s: repo.transition(s, sid, state, operation=operation, expect=[S.RUNNING]))
+        def template_of(s: Session, snapshot_id: str) -> None:
+            sb = repo.get_sandbox(s, sid)
+            s.add(Template(id=snapshot_id, alias=None, kind=TemplateKind.SNAPSHOT, status=BuildStatus.READY,
+                           cpu_count=sb.cpu_count, memory_mb=sb.memory_mb, disk_size_mb=sb.disk_size_mb,
+                           envd_version=sb.envd_version, boot_snapshot_id=snapshot_id))
+
         try:
-            out = await self._capture(handle, kind=kind, keep_running=True, name=name)
+            out = await self._capture(handle, kind=kind, keep_running=True, name=name,
+                                      also_commit=template_of if kind == SnapshotKind.USER else None)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await self._after_failed_capture(handle, operation, exc)
             raise
+        crash_point("snapshot.committed", vmm_pid=handle.vm.pid)
         handle.source.disk_layers = list(out.disk_layers)
         if out.rebase:
             # the VMM's next diff starts from this capture (Firecracker), not from the restore: lay it over
@@ -218,24 +245,21 @@ class SnapshotOperations:
             handle.source = await self.store.load(out.snapshot_id)
 
         def done(s: Session) -> None:
-            sb = repo.transition(s, sid, S.RUNNING, operation=operation, duration_ms=out.total_ms,
-                                 detail={"snapshot_id": out.snapshot_id, "paused_ms": round(out.paused_ms, 1),
-                                         "dirty_bytes": out.dirty_bytes})
-            if kind == SnapshotKind.USER:
-                s.add(Template(id=out.snapshot_id, alias=None, kind=TemplateKind.SNAPSHOT, status=BuildStatus.READY,
-                               cpu_count=sb.cpu_count, memory_mb=sb.memory_mb, disk_size_mb=sb.disk_size_mb,
-                               envd_version=sb.envd_version, boot_snapshot_id=out.snapshot_id))
+            repo.transition(s, sid, S.RUNNING, operation=operation, duration_ms=out.total_ms,
+                            detail={"snapshot_id": out.snapshot_id, "paused_ms": round(out.paused_ms, 1),
+                                    "dirty_bytes": out.dirty_bytes})
 
         await self.db.run(done)
         return out.snapshot_id
 
     async def _capture(self, handle: LiveSandbox, *, kind: SnapshotKind, keep_running: bool,
-                       name: Optional[str] = None, take_source_memory: bool = False) -> CaptureOutcome:
+                       name: Optional[str] = None, take_source_memory: bool = False,
+                       also_commit: Optional[Callable[[Session, str], None]] = None) -> CaptureOutcome:
         return await capture_running(
             db=self.db, vm=handle.vm, image=handle.image, sandbox_id=handle.sandbox_id, source=handle.source,
             kind=kind, keep_running=keep_running, layers_dir=self.store.layers_dir,
             snapshots_dir=self.store.snapshots_dir, access_token=handle.access_token, env_vars=handle.env_vars,
-            name=name, buffers=self.buffers, take_source_memory=take_source_memory)
+            name=name, buffers=self.buffers, take_source_memory=take_source_memory, also_commit=also_commit)
 
     async def _after_failed_capture(self, handle: LiveSandbox, operation: str, exc: BaseException, *,
                                     thaw: bool = False) -> None:
@@ -305,6 +329,7 @@ class SnapshotOperations:
             quiesced = self.quiesce == "pause"
             if quiesced:
                 await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=sandbox_id)
+                crash_point("pause.quiesced", vmm_pid=handle.vm.pid)
             try:
                 out = await self._capture(handle, kind=SnapshotKind.PAUSE, keep_running=False,
                                           take_source_memory=private)
@@ -314,6 +339,7 @@ class SnapshotOperations:
                 handle.pausing = False
                 raise
             handle.paused_snapshot_id = out.snapshot_id
+            crash_point("pause.committed", vmm_pid=handle.vm.pid)
             handle.request_stop(reason)
             await handle.done.wait()
         self.gc.request("pause")  # the snapshot it ran from is superseded
@@ -366,6 +392,7 @@ class SnapshotOperations:
             snapshot_id=source.snapshot_id, parent_sandbox_id=parent.id, vmm=self.vmm_name, started_at=now,
             end_at=now + dt.timedelta(seconds=timeout_s))
         await self.db.run(lambda s: repo.insert_sandbox(s, row, operation="fork"))
+        crash_point("fork.child_inserted")
         await self.launcher.launch(Launch(sid, source, env_vars=dict(parent.env_vars or {}), access_token=token,
                                           previous_token=parent.envd_access_token, policy=policy_of(parent),
                                           operation="fork", traffic_token=traffic))

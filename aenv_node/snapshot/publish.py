@@ -64,6 +64,7 @@ import trio
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from ..faults import crash_point
 from ..state import (
     Database,
     EventSubject,
@@ -167,6 +168,7 @@ async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, sna
     result = await trio.to_thread.run_sync(
         lambda: repo.commit_snapshot(sn.id, manifest.model_dump(mode="json"), layer_paths, require=require))
     stored = result.uploaded + result.already_present
+    crash_point("publish.manifest_written")
 
     def mark_stored(s: Session) -> None:
         for digest in stored:

@@ -29,6 +29,7 @@ import trio
 
 from sqlalchemy.orm import Session
 
+from ..faults import crash_point
 from ..images import ImageError
 from ..net import SlotPool
 from ..snapshot.envd import EnvdUnavailable, wait_envd
@@ -243,6 +244,7 @@ async def build_template(
                         await m.vm.stop()
                         continue
                     boot_s = time.monotonic() - t_boot
+                    crash_point("build.booted", vmm_pid=m.vm.pid)
                     log.info("template %s: envd ready %.1fs after boot", template_id, boot_s)
                     if prepare is not None:
                         running = image
@@ -274,6 +276,7 @@ async def build_template(
         sealed = await trio.to_thread.run_sync(image.seal, layers_dir)
         await trio.to_thread.run_sync(image.close)
         image = None
+        crash_point("build.sealed")
 
         refs = [LayerRef.local(str(p), "sha256:" + p.name.removesuffix(".layer")) for p in stack]
         refs += [LayerRef.local(info.path, layer_digest(info)) for info in (*step_layers, sealed)]

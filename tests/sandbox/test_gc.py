@@ -219,7 +219,8 @@ def test_compaction_removes_the_layers_it_replaced(sdk_env) -> None:
 @vm
 def test_startup_sweeps_old_orphan_files(node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """Files no row names (a crash between a commit and the unlinks, or before a commit) go at the next
-    start once older than the grace period; temporary files and recent ones stay. Restarts the session
+    start once older than the grace period, recent ones stay; temporary files (a seal or a materialization
+    a crash cut) go whatever their age, also inside a committed snapshot's directory. Restarts the session
     node in place (same state, port and settings)."""
     for k, v in node.sdk_env().items():
         monkeypatch.setenv(k, v)
@@ -236,11 +237,14 @@ def test_startup_sweeps_old_orphan_files(node: NodeProcess, monkeypatch: pytest.
     recent = layers / f"{secrets.token_hex(32)}.layer"
     recent.write_bytes(b"recent")
     temp = layers / f".tmp-{secrets.token_hex(8)}.layer"
-    temp.write_bytes(b"in progress")
-    os.utime(temp, (old, old))
+    temp.write_bytes(b"cut by a crash")
     keep = Sandbox.create()
     keep.files.write("/home/user/kept.txt", "across the restart")
     keep.pause()
+    [(state, snap_id)] = node.sql(f"SELECT state, snapshot_id FROM sandboxes WHERE id = '{keep.sandbox_id}'")
+    assert state == "paused"
+    inner_temp = snaps / snap_id / f".memory.tmp-{secrets.token_hex(4)}"
+    inner_temp.write_bytes(b"a materialization cut by a crash")
     try:
         stop_node(node.proc)
         port = urlparse(node.url).port
@@ -248,9 +252,10 @@ def test_startup_sweeps_old_orphan_files(node: NodeProcess, monkeypatch: pytest.
                            AENV_SANDBOX_TTL_CHECK_INTERVAL_S="0.5", AENV_SNAPSHOT_COMPACT_AFTER_LAYERS="4")
         node.proc, node.log_path = fresh.proc, fresh.log_path
         assert not orphan_layer.exists() and not orphan_dir.exists()
-        assert recent.exists() and temp.exists()
+        assert recent.exists() and not temp.exists() and not inner_temp.exists()
         sweep = [e for e in _gc_events(node) if e["reason"] == "startup-sweep"][-1]
-        assert {str(orphan_layer), str(orphan_dir)} <= set(sweep["orphans"]) and sweep["bytes_freed"] >= 2 << 20
+        assert {str(orphan_layer), str(orphan_dir), str(temp), str(inner_temp)} <= set(sweep["orphans"])
+        assert sweep["bytes_freed"] >= 2 << 20
         back = Sandbox.connect(keep.sandbox_id)  # nothing reachable was swept
         assert back.files.read("/home/user/kept.txt") == "across the restart"
     finally:

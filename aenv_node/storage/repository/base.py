@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Optional, TypeVar, Union
 
+from ...faults import crash_point
 from .errors import (
     DigestMismatch,
     IncompleteSnapshot,
@@ -409,6 +410,7 @@ class Repository(abc.ABC):
             else:
                 self.put_layer(digest, path)
                 result.uploaded.append(digest)
+                crash_point("publish.layers_uploaded")
         missing = [d for d in dict.fromkeys(require) if d not in layer_paths and not self.touch_layer(d)]
         if missing:
             raise IncompleteSnapshot(manifest_id, missing)
