@@ -48,7 +48,8 @@ def sandbox_resolver(sandboxes: SandboxService) -> Resolver:
 
 
 class ApiServer:
-    """Serves the E2B API; stops accepting on ``node.shutdown`` and drains requests."""
+    """Serves the E2B API; stops accepting once the node has drained (``node.drained``: until then new
+    operations get 503) and finishes the requests in flight."""
 
     name = "api"
 
@@ -76,7 +77,7 @@ class ApiServer:
                 await stack.enter_async_context(self.proxy)
             nursery = await stack.enter_async_context(trio.open_nursery())
             self.bound = await nursery.start(
-                lambda task_status: serve(app, hc, shutdown_trigger=self.node.shutdown.wait,
+                lambda task_status: serve(app, hc, shutdown_trigger=self.node.drained.wait,
                                           task_status=task_status)
             )
             log.info("API listening on %s", ", ".join(self.bound))

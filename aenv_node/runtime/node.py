@@ -93,8 +93,12 @@ class Node:
     drainers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     version: str = __version__
-    #: Set to begin a graceful shutdown (the supervisor and the API server wait on it).
+    #: Set to begin a graceful shutdown (the supervisor waits on it).
     shutdown: trio.Event = field(default_factory=trio.Event)
+    #: Set once a shutdown has drained (in-flight operations done, drainers run). The API server stops
+    #: accepting only then, so a request that arrives while the node drains gets a 503, not a refused
+    #: connection.
+    drained: trio.Event = field(default_factory=trio.Event)
 
     def __post_init__(self) -> None:
         if not self.node_id:

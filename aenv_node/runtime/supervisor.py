@@ -18,7 +18,8 @@ Shutdown (SIGTERM/SIGINT, or ``Node.request_shutdown``): stop admitting new
 operations, let in-flight ones finish for up to ``node.shutdown_grace_s``
 (each commits its outcome or rolls back in shielded cleanup), run the node's
 drainers (every running sandbox is paused and published: a stop never kills
-a sandbox, and a resume that completed just before it is kept), then stop the
+a sandbox, and a resume that completed just before it is kept; the API keeps
+answering meanwhile, 503 for new operations), then stop the
 services one at a time in reverse start order, each fully before the next
 (the API before the sandboxes, the sandboxes before the slot pool and the
 cache they use), and record the node as stopped. A second signal cancels
@@ -105,6 +106,7 @@ async def run_node(
                 log.warning("%s", error)
             for drain in node.drainers:
                 await drain()
+            node.drained.set()
             for running in reversed(started):
                 log.debug("stopping service %s", running.service.name)
                 await running.stop()

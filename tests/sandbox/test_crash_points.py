@@ -284,6 +284,16 @@ def check_repository_digests(root: Path) -> None:
         assert h.hexdigest() == p.name, p
 
 
+def _settled(rig: Rig, before: set[str], sid: Optional[str]) -> tuple[set[str], Optional[str]]:
+    """Once no sandbox is in a transient state: the sandboxes made since ``before``, and the cell's own (its
+    set-up's, else the first made)."""
+    _wait(lambda: not rig.sql("SELECT id FROM sandboxes WHERE state IN "
+                              "('creating','pausing','resuming','snapshotting','forking','killing')"),
+          "a sandbox is still in a transient state")
+    new = {sid_ for (sid_,) in rig.sql("SELECT id FROM sandboxes")} - before
+    return new, sid or (sorted(new)[0] if new else None)
+
+
 # ---- the matrix ----------------------------------------------------------------------------------
 
 
@@ -307,11 +317,7 @@ def test_crash_point(rig: Rig, cell: Cell) -> None:
     assert f"crash point {cell.point.partition('@')[0]}" in node.log()
 
     rig.start()
-    _wait(lambda: not rig.sql("SELECT id FROM sandboxes WHERE state IN "
-                              "('creating','pausing','resuming','snapshotting','forking','killing')"),
-          "a sandbox is still in a transient state after the restart")
-    new = {sid_ for (sid_,) in rig.sql("SELECT id FROM sandboxes")} - before
-    mine = sid or (sorted(new)[0] if new else None)
+    new, mine = _settled(rig, before, sid)
     if cell.expect is not None:
         assert mine is not None, "the cell's sandbox has no row"
         assert rig.sql(f"SELECT state FROM sandboxes WHERE id = '{mine}'") == [(cell.expect,)]
@@ -381,11 +387,7 @@ def test_vmm_killed_at(rig: Rig, cell: Cell) -> None:
     cell.op(rig, sid)
     _wait(lambda: f"crash point {cell.point.partition('@')[0]}" in node.log(), "the point was not reached")
     assert node.proc.poll() is None, f"the node died:\n{node.log()[-3000:]}"
-    _wait(lambda: not rig.sql("SELECT id FROM sandboxes WHERE state IN "
-                              "('creating','pausing','resuming','snapshotting','forking','killing')"),
-          "a sandbox is still in a transient state")
-    new = {sid_ for (sid_,) in rig.sql("SELECT id FROM sandboxes")} - before
-    mine = sid or (sorted(new)[0] if new else None)
+    new, mine = _settled(rig, before, sid)
     if cell.expect is not None:
         assert mine is not None, "the cell's sandbox has no row"
         # the VMM's death is noticed by its watcher, which ends the run (a moment after the answer)
