@@ -1,13 +1,13 @@
 """Typed errors of the runtime and snapshot operations: one exception per condition.
 
-The snapshot operations' own (``SnapshotNotFound``, ``SandboxConflict``, ``ForkLimit``) are defined in
+The snapshot operations' own (``SnapshotNotFound``, ``SandboxConflict``, ``ForkLimit``, ``StateDiskFull``) are defined in
 ``snapshot/errors.py`` and re-exported here. They carry no HTTP status: the API maps them once, at its edge, by one table
 (``api/errors.py``). The CLI and tests see the same classes.
 """
 
 from __future__ import annotations
 
-from ..snapshot.errors import ForkLimit, SandboxConflict, SnapshotNotFound
+from ..snapshot.errors import ForkLimit, SandboxConflict, SnapshotNotFound, StateDiskFull
 
 __all__ = [
     "RuntimeLayerError",
@@ -19,6 +19,7 @@ __all__ = [
     "SandboxNotRunning",
     "SandboxConflict",
     "ForkLimit",
+    "StateDiskFull",
     "PoolInUse",
     "TemplateRequestError",
     "TemplateBuildFailed",

@@ -29,6 +29,7 @@ removes them, and the caller puts the sandbox back into a truthful state.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -59,6 +60,7 @@ from ..state.repository import record_event
 from ..storage import Image, LayerInfo, LayerRef, LayerWriter
 from ..vmm import CaptureKind, CaptureResult, Vm, VmState, memfile
 from ..vmm.capture_buffer import CaptureBuffer, CaptureBufferPool
+from .errors import StateDiskFull
 from .layers import layer_digest, record_stack, reference_layer
 from .source import SnapshotSource
 
@@ -219,7 +221,7 @@ async def capture_running(
         await db.run(commit)
         return CaptureOutcome(snapshot_id, cap.vmstate, snap_dir / "memory", disk_layers, cap.dirty_bytes,
                               paused_ms, (time.monotonic() - t0) * 1000, rebase=not cap.since_restore)
-    except BaseException:
+    except BaseException as exc:
         with trio.CancelScope(shield=True):
             if take_source_memory and not source.memory.exists() and (snap_dir / "memory").exists():
                 # give the source its image back (any page patched is one the VM holds privately)
@@ -230,4 +232,17 @@ async def capture_running(
                     await vm.resume()
                 except Exception:
                     log.exception("resuming %s after a failed capture failed", sandbox_id)
+        full = _no_space(exc)
+        if full is not None:
+            raise StateDiskFull(f"the node's state disk is full: {full.strerror} writing "
+                                f"{full.filename or layers_dir}; the capture was not kept") from exc
         raise
+
+
+def _no_space(exc: BaseException) -> OSError | None:
+    """The ENOSPC (or EDQUOT) error inside ``exc`` (possibly in exception groups), if any."""
+    if isinstance(exc, BaseExceptionGroup):
+        return next((e for e in map(_no_space, exc.exceptions) if e is not None), None)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    return None

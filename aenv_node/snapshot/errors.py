@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["SnapshotError", "SnapshotNotFound", "SandboxConflict", "ForkLimit"]
+__all__ = ["SnapshotError", "SnapshotNotFound", "SandboxConflict", "ForkLimit", "StateDiskFull"]
 
 
 class SnapshotError(Exception):
@@ -19,3 +19,7 @@ class SandboxConflict(SnapshotError):
 
 class ForkLimit(SnapshotError):
     """A fork asked for more (or fewer) children than the node allows."""
+
+
+class StateDiskFull(SnapshotError):
+    """The node's state disk had no room for a capture (ENOSPC); nothing of the capture is kept."""

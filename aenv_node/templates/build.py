@@ -144,6 +144,19 @@ def _vm_name(template_id: str) -> str:
     return "aenv-build-" + re.sub(r"[^A-Za-z0-9-]", "-", template_id)[:53]
 
 
+#: room a build needs on the state disk beyond its RAM image (its disk upper, console, step layers)
+BUILD_HEADROOM_MIB = 256
+
+
+def _check_room(directory: Path, *, need_mib: int) -> None:
+    """Fail at once, and say why, when the state disk cannot hold a build: a guest whose RAM file cannot grow
+    hangs at boot with an empty console instead of failing."""
+    free_mib = shutil.disk_usage(directory).free >> 20
+    if free_mib < need_mib:
+        raise TemplateBuildError(f"the node's state disk is full: {free_mib} MiB free under {directory}, a build "
+                                 f"of this template needs at least {need_mib} MiB (No space left on device)")
+
+
 async def build_template(
     *,
     db: Database,
@@ -209,6 +222,7 @@ async def build_template(
     boot_s: float | None = None
     capture: CaptureResult | None = None
     try:
+        _check_room(snap_dir, need_mib=mem_mib + BUILD_HEADROOM_MIB)
         disk_bytes = disk_size_mb << 20
         base: LayerInfo | None = None
         if source.rootfs is not None:
