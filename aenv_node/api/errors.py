@@ -24,6 +24,7 @@ from ..config import ConfigError
 from ..net.errors import EgressPolicyError, PoolExhausted
 from ..runtime.errors import (
     ForkLimit,
+    StateDiskFull,
     NodeDraining,
     NodeNotReady,
     SandboxConflict,
@@ -36,8 +37,15 @@ from ..runtime.errors import (
 )
 from ..snapshot.envd import EnvdUnavailable
 from ..state.errors import DatabaseBusy, IdempotencyMismatch, IllegalTransition, NotFound
+from ..storage.errors import LayerCorrupt
 from ..vmm.errors import VmmExited
-from ..storage.repository.errors import OwnershipConflict, OwnershipLost, OwnershipUnsupported
+from ..storage.repository.errors import (
+    OwnershipConflict,
+    OwnershipLost,
+    OwnershipUnsupported,
+    RepositoryError,
+    RepositoryUnavailable,
+)
 
 __all__ = ["ApiError", "ERROR_CODE", "ERROR_STATUS", "mapped_status", "status_for", "error_response", "install_error_handlers"]
 
@@ -78,9 +86,14 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     NodeNotReady: 503,
     NodeDraining: 503,
     PoolExhausted: 503,
+    StateDiskFull: 507,
     # the guest's agent did not answer, or the sandbox's VMM died under the operation
     EnvdUnavailable: 502,
     VmmExited: 502,
+    # the shared snapshot repository: unreachable (or refusing: 5xx after the retries), or giving bad data
+    RepositoryUnavailable: 503,
+    RepositoryError: 502,
+    LayerCorrupt: 502,
     # the shared repository's ownership record (single writer across nodes)
     OwnershipConflict: 409,
     OwnershipLost: 404,
@@ -95,6 +108,7 @@ ERROR_CODE: Mapping[type[BaseException], str] = {
 #: Message prefixes where the exception's own text needs context for an API user.
 _PREFIX: Mapping[type[BaseException], str] = {
     PoolExhausted: "this node has no free capacity: ",
+    RepositoryUnavailable: "the snapshot repository is unavailable: ",
 }
 
 

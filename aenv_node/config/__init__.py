@@ -105,6 +105,7 @@ class StorageSection:
     s3_region: str = ""
     s3_prefix: str = "aenv/"
     s3_conditional_writes: str = "auto"
+    s3_max_attempts: int = 5
     cache_dir: str = ""
     cache_capacity_bytes: int = 20 * 1024**3
     cache_high_watermark: float = 0.95
@@ -143,6 +144,7 @@ class SnapshotSection:
     gc_orphan_grace_s: float = 3600
     gc_patience_s: float = 5
     quiesce: str = "pause"
+    publish_retry_interval_s: float = 30
 
 
 @dataclass(frozen=True)
@@ -381,5 +383,9 @@ def _validate(cfg: Config) -> None:
     if lg.max_lines_per_sandbox < 1 or lg.max_line_chars < 80 or lg.retention_s < 0 or lg.poll_interval_s <= 0:
         raise ConfigError("config logs: need max_lines_per_sandbox >= 1, max_line_chars >= 80, retention_s >= 0 "
                           "and poll_interval_s > 0")
+    if cfg.storage.s3_max_attempts < 1:
+        raise ConfigError("config storage.s3_max_attempts must be >= 1")
+    if cfg.snapshot.publish_retry_interval_s < 0:
+        raise ConfigError("config snapshot.publish_retry_interval_s must be >= 0")
     if cfg.snapshot.capture_buffer_mib < 0 or cfg.snapshot.capture_buffers < 0:
         raise ConfigError("config snapshot: capture_buffer_mib and capture_buffers must be >= 0")

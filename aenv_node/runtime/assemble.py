@@ -45,7 +45,8 @@ def install_sandbox_services(node: Node, *, build_default_template: bool = True)
         node.db, store=parts.store, gc=parts.gc, repository=parts.repository, buffers=parts.capture_buffers,
         launcher=registry, node_id=node.node_id, owner=parts.owner, vmm_name=parts.driver.name,
         default_timeout_s=cfg.sandbox.default_timeout_s, fork_max_count=cfg.sandbox.fork_max_count,
-        compact_after_layers=cfg.snapshot.compact_after_layers, quiesce=cfg.snapshot.quiesce)
+        compact_after_layers=cfg.snapshot.compact_after_layers, quiesce=cfg.snapshot.quiesce,
+        publish_retry_s=cfg.snapshot.publish_retry_interval_s)
     templates = TemplateService(parts, build_default=build_default_template)
     service = SandboxService(node, parts, registry, ops, templates)
     node.reconcilers.append(Reconciler(parts, ops))

@@ -53,7 +53,8 @@ def _open_repository(cfg: Config) -> Repository:
     if st.repository == "s3":
         conditional = {"auto": None, "true": True, "false": False}[st.s3_conditional_writes]
         return open_repository("s3", endpoint_url=st.s3_endpoint, bucket=st.s3_bucket, region=st.s3_region,
-                               prefix=st.s3_prefix, conditional_writes=conditional)
+                               prefix=st.s3_prefix, conditional_writes=conditional,
+                               max_attempts=st.s3_max_attempts)
     return open_repository("posix_fs", path=str(cfg.repository_path))
 
 

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from ..net import remove_orphans
 from ..snapshot.operations import SnapshotOperations
-from ..snapshot.publish import settle_record
+from ..snapshot.publish import settle_record, unpublished_pauses
 from ..snapshot.store import SnapshotStore
 from ..state import (
     Event,
@@ -130,13 +130,6 @@ def _settle_rows(s: Session) -> list[tuple[str, str]]:
     return republish
 
 
-def _unpublished_pauses(s: Session) -> list[tuple[str, str]]:
-    """(snapshot, sandbox) of every sandbox paused here at a snapshot not yet published."""
-    return [(snap, sid) for sid, snap in s.execute(
-        select(Sandbox.id, Sandbox.snapshot_id).join(Snapshot, Snapshot.id == Sandbox.snapshot_id)
-        .where(Sandbox.state == S.PAUSED, Snapshot.published.is_(False))) if snap is not None]
-
-
 class Reconciler:
     """The node's reconciler (``Node.reconcilers``); see the module docstring."""
 
@@ -166,7 +159,7 @@ class Reconciler:
             shutil.rmtree(p.cfg.sandboxes_dir / sid, ignore_errors=True)
         republish = await p.db.run(_settle_rows)
         # pauses whose publish the stop cut (their local snapshot is whole; the repository's record is not)
-        republish += await p.db.run(_unpublished_pauses)
+        republish += await p.db.run(unpublished_pauses)
         for snapshot_id, sid in republish:
             # published as a pause once the operations run, so its repository record says paused (and other
             # nodes may resume it) instead of running on this node

@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 from ..faults import crash_point
 from ..net import EgressPolicy, Slot
 from ..state import (
+    EventSubject,
     Database,
     Sandbox,
     SandboxState,
@@ -56,7 +57,7 @@ from .compaction import compact_snapshot
 from .envd import quiesce_guest, thaw_guest
 from .errors import ForkLimit, SandboxConflict
 from .gc import GarbageCollector
-from .publish import claim_for_resume, publish_snapshot, release_claim
+from .publish import claim_for_resume, publish_snapshot, release_claim, unpublished_pauses
 from .source import SnapshotSource
 from .store import SnapshotStore
 
@@ -124,7 +125,7 @@ class SnapshotOperations:
     def __init__(self, db: Database, *, store: SnapshotStore, gc: GarbageCollector, repository: Repository,
                  buffers: CaptureBufferPool, launcher: Launcher, node_id: str, owner: str, vmm_name: str,
                  default_timeout_s: int, fork_max_count: int, compact_after_layers: int,
-                 quiesce: str = "pause") -> None:
+                 quiesce: str = "pause", publish_retry_s: float = 30.0) -> None:
         self.db = db
         self.store = store
         self.gc = gc
@@ -142,7 +143,10 @@ class SnapshotOperations:
         #: held by a resume and around a publish's record update, so they never interleave
         self._resume_locks: dict[str, trio.Lock] = {}
         self._after_pause_send, self._after_pause_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
-        #: pauses queued or being published (``wait_published``)
+        #: how often pauses whose publish failed are published again (0: only at the next start)
+        self.publish_retry_s = publish_retry_s
+        #: pause snapshots queued or being published (``wait_published``; the retry skips them)
+        self._queued: set[str] = set()
         self._publishing = 0
         self._published = trio.Event()
         self._published.set()
@@ -151,16 +155,32 @@ class SnapshotOperations:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The service: publish (then compact) each pause snapshot queued by ``after_pause``."""
         async with trio.open_nursery() as nursery:
+            if self.publish_retry_s > 0:
+                nursery.start_soon(self._retry_failed_publishes)
             task_status.started()
             async for snapshot_id, sandbox_id in self._after_pause_recv:
                 nursery.start_soon(self._publish_then_compact, snapshot_id, sandbox_id)
 
     def after_pause(self, snapshot_id: str, sandbox_id: str) -> None:
         """Queue the publish and compaction of a pause snapshot (also for the reconciler's pauses)."""
+        if snapshot_id in self._queued:
+            return
+        self._queued.add(snapshot_id)
         if self._publishing == 0:
             self._published = trio.Event()
         self._publishing += 1
         self._after_pause_send.send_nowait((snapshot_id, sandbox_id))
+
+    async def _retry_failed_publishes(self) -> None:
+        """Every ``publish_retry_s``: queue again each pause still unpublished (its publish failed: the
+        repository down, full or erroring), so the repository's record catches up once the fault clears."""
+        while True:
+            await trio.sleep(self.publish_retry_s)
+            try:
+                for snapshot_id, sandbox_id in await self.db.run(unpublished_pauses):
+                    self.after_pause(snapshot_id, sandbox_id)
+            except Exception:
+                log.exception("looking for unpublished pauses failed; trying again in %.0f s", self.publish_retry_s)
 
     async def wait_published(self) -> None:
         """Until every pause queued so far is published (or its publish failed): a graceful stop waits here,
@@ -174,6 +194,7 @@ class SnapshotOperations:
         try:
             await self._publish_quietly(snapshot_id, sandbox_id)
         finally:
+            self._queued.discard(snapshot_id)
             self._publishing -= 1
             if self._publishing == 0:
                 self._published.set()
@@ -200,7 +221,12 @@ class SnapshotOperations:
                 log.info("publishing snapshot %s stopped: sandbox %s was killed meanwhile (%s)",
                          snapshot_id, sandbox_id, exc)
             else:
-                log.warning("publishing snapshot %s failed: %s", snapshot_id, exc)
+                log.warning("publishing snapshot %s failed (tried again in %.0f s): %s", snapshot_id,
+                            self.publish_retry_s, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                await self.db.run(lambda s: repo.record_event(
+                    s, "snapshot_publish", sandbox_id=sandbox_id, subject=EventSubject.SNAPSHOT,
+                    subject_id=snapshot_id, error=error))
 
     async def _compact_quietly(self, snapshot_id: str) -> None:
         try:

@@ -81,14 +81,22 @@ from ..state import (
 from ..state.repository import insert_sandbox, record_event, update_sandbox
 from ..storage import LayerRef, import_raw
 from ..storage.repository.base import CAS_RETRIES, Ownership, Repository, layer_key
-from ..storage.repository.errors import OwnershipChanged, OwnershipConflict, OwnershipLost
+from ..storage.repository.errors import ManifestCorrupt, OwnershipChanged, OwnershipConflict, OwnershipLost
 from .layers import record_stack, ref_of, stack_of
 from .manifest import DiskLayerRef, SandboxRecord, SnapshotManifest
 
 __all__ = ["publish_snapshot", "import_sandbox", "owner_id", "Claim", "claim_for_resume", "release_claim",
-           "forget_published", "settle_record"]
+           "forget_published", "settle_record", "unpublished_pauses"]
 
 log = logging.getLogger(__name__)
+
+
+def unpublished_pauses(s: Session) -> list[tuple[str, str]]:
+    """(snapshot, sandbox) of every sandbox paused here at a snapshot not yet published: its publish was cut
+    (a stop, a crash) or failed (the repository down, full or erroring), so it is published again."""
+    return [(snap, sid) for sid, snap in s.execute(
+        select(Sandbox.id, Sandbox.snapshot_id).join(Snapshot, Snapshot.id == Sandbox.snapshot_id)
+        .where(Sandbox.state == SandboxState.PAUSED, Snapshot.published.is_(False))) if snap is not None]
 
 
 def owner_id(node_id: str, instance: str) -> str:
@@ -232,7 +240,10 @@ def forget_published(repo: Repository, sandbox_id: str, owner: str) -> bool:
 
 async def _fetch_snapshot(repo: Repository, snapshot_id: str) -> SnapshotManifest:
     doc = await trio.to_thread.run_sync(repo.get_manifest, snapshot_id)
-    return SnapshotManifest.model_validate(doc)
+    try:
+        return SnapshotManifest.model_validate(doc)
+    except ValueError as exc:  # pydantic's ValidationError
+        raise ManifestCorrupt(snapshot_id, str(exc).splitlines()[0]) from exc
 
 
 async def _record_import(db: Database, snapshots_dir: Path, sandbox_id: str, node_id: str,

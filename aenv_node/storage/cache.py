@@ -350,12 +350,41 @@ class LayerCache(ChunkReader):
             self.evict()
 
     # -- eviction ---------------------------------------------------------------------------------------------
+    def invalidate(self, digest: str, offset: int, length: int) -> int:
+        """Drop the cached chunks holding ``[offset, offset + length)`` of a layer, so the next read fetches
+        them again: a reader found bytes there that fail their checksum (a copy corrupted in the repository
+        since fixed, or on the way). Chunks being fetched are left alone. Returns the bytes dropped."""
+        victims: dict[CachedLayer, list[int]] = {}
+        with self._lock:
+            layer = self._layers.get(digest)
+            if layer is None or length <= 0:
+                return 0
+            end = min(offset + length, layer.size)
+            for c in range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1):
+                if layer.state[c] == PRESENT:
+                    self._lru.pop((layer, c), None)
+                    victims.setdefault(layer, []).append(c)
+            freed = self._take_chunks(victims)
+        self._drop_taken(victims)
+        return freed
+
     def _evict(self, target: int) -> int:
         victims: dict[CachedLayer, list[int]] = {}
-        freed = 0
         with self._lock:
-            while self._cached_bytes > target and self._lru:
+            cached = self._cached_bytes
+            while cached > target and self._lru:
                 (layer, c), _ = self._lru.popitem(last=False)
+                cached -= layer.chunk_len(c)
+                victims.setdefault(layer, []).append(c)
+            freed = self._take_chunks(victims)
+        self._drop_taken(victims)
+        return freed
+
+    def _take_chunks(self, victims: dict[CachedLayer, list[int]]) -> int:
+        """Under the metadata lock: mark the chunks (already out of the LRU) BUSY and no longer cached."""
+        freed = 0
+        for layer, chunks in victims.items():
+            for c in chunks:
                 n = layer.chunk_len(c)
                 layer.state[c] = BUSY
                 layer.flights[c] = Flight()
@@ -367,14 +396,16 @@ class LayerCache(ChunkReader):
                 layer.dirty = True
                 self._cached_bytes -= n
                 freed += n
-                victims.setdefault(layer, []).append(c)
+        return freed
+
+    def _drop_taken(self, victims: dict[CachedLayer, list[int]]) -> None:
+        """Outside the lock: clear their bits in the bitmap file, free their blocks, and make them ABSENT."""
         for layer, chunks in victims.items():
             chunks.sort()
             try:
                 layer.drop_chunks(chunks, self._lock, durable=self.durable)
             finally:
                 self._release(layer, chunks, None)
-        return freed
 
     # -- durability and counters ------------------------------------------------------------------------------
     def _sync_layer(self, layer: CachedLayer) -> None:
@@ -423,6 +454,10 @@ class CachedSource:
         if length <= 0:
             return b""
         return self.cache.read(self.digest, offset, length, self.size)
+
+    def invalidate(self, offset: int, length: int) -> None:
+        """Forget the cached copy of a range whose bytes failed their checksum (the next read fetches it)."""
+        self.cache.invalidate(self.digest, offset, length)
 
     def close(self) -> None:
         """Nothing to release: the cache owns the files."""

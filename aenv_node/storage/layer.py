@@ -402,17 +402,34 @@ class LayerReader:
                 return b""
             raise LayerCorrupt("data", _DATA + a + len(buf), "truncated", self.name)
         if self.verify_reads:
-            first = a >> _SHIFT
-            if n == _B:
-                if self._csum(buf) != self._crcs[first]:
-                    raise LayerCorrupt("data block", _DATA + a, "checksum mismatch", self.name)
-            else:
-                self._verify_blocks(buf, first)
+            try:
+                self._verify_blocks(buf, a >> _SHIFT)
+            except LayerCorrupt:
+                if not self._forget(_DATA + a, n):
+                    raise
+                buf = self._pread(_DATA + a, n)  # fetched again: a second mismatch is final
+                if len(buf) != n:
+                    raise LayerCorrupt("data", _DATA + a + len(buf), "truncated", self.name) from None
+                self._verify_blocks(buf, a >> _SHIFT)
         if a == doff and n == length:
             return buf
         return buf[doff - a : doff - a + length]
 
+    def _forget(self, offset: int, length: int) -> bool:
+        """Drop a source's cached copy of a range that failed its checksum, so it can be read again (a layer
+        read through the local cache: the repository's copy may have been repaired, or the bytes damaged on
+        the way). False for a source that holds no copy of its own (a local file: its bytes are final)."""
+        invalidate = getattr(self.source, "invalidate", None)
+        if invalidate is None:
+            return False
+        invalidate(offset, length)
+        return True
+
     def _verify_blocks(self, buf: bytes, first: int) -> None:
+        if len(buf) == _B:  # one block: the common case, without the array
+            if self._csum(buf) != self._crcs[first]:
+                raise LayerCorrupt("data block", _DATA + (first << _SHIFT), "checksum mismatch", self.name)
+            return
         mv = memoryview(buf)
         csum = self._csum
         got = array.array("Q", [csum(mv[i : i + _B]) for i in range(0, len(buf), _B)])
@@ -434,6 +451,8 @@ class LayerReader:
         buf = self.source.pread(pos, stored)
         if len(buf) != stored:
             raise LayerCorrupt("compressed group", pos + len(buf), "truncated", self.name)
+        if self._csum(buf) != csum and self._forget(pos, stored):
+            buf = self.source.pread(pos, stored)  # fetched again: a second mismatch is final
         if self._csum(buf) != csum:
             raise LayerCorrupt("compressed group", pos, "checksum mismatch", self.name)
         g = self.geometry

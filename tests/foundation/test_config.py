@@ -80,6 +80,7 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         ("not toml ===", "not valid TOML"),
         ("[images]\nca_bundle = \"/nonexistent/ca.pem\"\n", "images.ca_bundle: '/nonexistent/ca.pem' is not a readable"),
         ("[templates]\ncache_ttl_s = -1\n", "templates.cache_ttl_s must be >= 0"),
+        ("[snapshot]\npublish_retry_interval_s = -1\n", "snapshot.publish_retry_interval_s must be >= 0"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:

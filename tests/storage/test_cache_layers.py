@@ -49,3 +49,40 @@ def test_layer_reader_over_cached_source(repo: Repository, tmp_path: Path, compr
             assert reader.read(off, n) == bytes(image[off : off + n])
         reader.verify()  # every checksum of the layer, read through the small cache
         assert cache.stats().evicted_bytes > 0
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_cached_range_that_fails_its_checksum_is_fetched_again(tmp_path: Path, compression: str | None) -> None:
+    """A cached copy damaged after its fetch (or a repository copy corrupt when fetched, repaired since) is
+    dropped and fetched again by the reader that meets it; a repository copy still corrupt is a LayerCorrupt."""
+    from aenv_node.storage.errors import LayerCorrupt
+
+    repo = PosixFsRepository(tmp_path / "repo")
+    vsize = 2 * MiB
+    data = random.Random(5).randbytes(vsize)
+    (tmp_path / "w").mkdir()
+    with LayerWriter(tmp_path / "w", vsize, compression=compression) as w:
+        w.add_data(0, data)
+        info = w.finish()
+    digest = "sha256:" + info.digest
+    repo.put_layer(digest, info.path)
+    stored = next((tmp_path / "repo" / "layers" / "sha256").glob(f"*/{info.digest}"))
+    good = stored.read_bytes()
+    middle = len(good) // 2
+
+    def flip(path: Path) -> None:
+        b = bytearray(path.read_bytes())
+        b[middle] ^= 0xFF
+        path.write_bytes(bytes(b))
+
+    with LayerCache(tmp_path / "cache", repo, capacity_bytes=64 * MiB) as cache:
+        reader = LayerReader(cache.source(digest), digest=info.digest)
+        flip(stored)  # corrupt in the repository when first fetched
+        with pytest.raises(LayerCorrupt):
+            reader.read(0, vsize)
+        stored.write_bytes(good)  # repaired: the cached bad copy is not served again
+        assert reader.read(0, vsize) == data
+        cached = tmp_path / "cache" / f"{info.digest}.cache"
+        flip(cached)  # damaged in the cache after the fetch
+        assert reader.read(0, vsize) == data
+        assert cache.contains(digest, 0, len(good))

@@ -28,6 +28,7 @@ from .errors import (
     IncompleteSnapshot,
     InvalidName,
     LayerNotFound,
+    ManifestCorrupt,
     ManifestNotFound,
     OwnershipChanged,
     OwnershipConflict,
@@ -58,6 +59,7 @@ __all__ = [
     "RepositoryUnavailable",
     "LayerNotFound",
     "ManifestNotFound",
+    "ManifestCorrupt",
     "DigestMismatch",
     "InvalidName",
     "IncompleteSnapshot",
@@ -83,7 +85,7 @@ def open_repository(kind: str, **options: Any) -> Repository:
       settings (see ``S3Repository``).
 
     The node maps its config keys (``repository_path``, ``s3_endpoint``, ``s3_bucket``, ``s3_region``,
-    ``s3_prefix``) onto these.
+    ``s3_prefix``, ``s3_max_attempts``) onto these.
     """
     if kind == "posix_fs":
         path = options.pop("path", None) or options.pop("root", None)

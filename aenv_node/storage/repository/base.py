@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Final, Optional, TypeVar, Union
 from ...faults import crash_point
 from .errors import (
     DigestMismatch,
+    ManifestCorrupt,
     IncompleteSnapshot,
     InvalidName,
     OwnershipChanged,
@@ -218,8 +219,12 @@ class Repository(abc.ABC):
         self._put_manifest_bytes(check_manifest_id(manifest_id), encode_manifest(manifest))
 
     def get_manifest(self, manifest_id: str) -> dict[str, Any]:
-        """The manifest as written (``ManifestNotFound`` if absent)."""
-        return decode_manifest(self._get_manifest_bytes(check_manifest_id(manifest_id)))
+        """The manifest as written (``ManifestNotFound`` if absent, ``ManifestCorrupt`` if not a JSON object)."""
+        data = self._get_manifest_bytes(check_manifest_id(manifest_id))
+        try:
+            return decode_manifest(data)
+        except ValueError as exc:
+            raise ManifestCorrupt(manifest_id, str(exc)) from exc
 
     @abc.abstractmethod
     def has_manifest(self, manifest_id: str) -> bool: ...
@@ -232,8 +237,12 @@ class Repository(abc.ABC):
 
     def read_manifest(self, manifest_id: str, model: type[M]) -> M:
         """A snapshot manifest parsed as ``model`` (``LayerManifest`` or a subclass): ``ManifestNotFound`` if
-        absent, ``ValueError`` if it is not one."""
-        return model.decode(self._get_manifest_bytes(check_manifest_id(manifest_id)))
+        absent, ``ManifestCorrupt`` (a ``ValueError``) if it is not one."""
+        data = self._get_manifest_bytes(check_manifest_id(manifest_id))
+        try:
+            return model.decode(data)
+        except ValueError as exc:
+            raise ManifestCorrupt(manifest_id, str(exc).splitlines()[0]) from exc
 
     # -- sandbox ownership (single-writer across nodes) ----------------------------------------------------
     def get_ownership(self, sandbox_id: str) -> Optional[Ownership]:

@@ -14,6 +14,7 @@ __all__ = [
     "RepositoryUnavailable",
     "LayerNotFound",
     "ManifestNotFound",
+    "ManifestCorrupt",
     "DigestMismatch",
     "InvalidName",
     "IncompleteSnapshot",
@@ -53,6 +54,14 @@ class ManifestNotFound(RepositoryError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class ManifestCorrupt(RepositoryError, ValueError):
+    """A manifest's bytes are not the document they must be (not JSON, or not the expected model)."""
+
+    def __init__(self, manifest_id: str, why: str) -> None:
+        self.manifest_id = manifest_id
+        super().__init__(f"manifest {manifest_id!r} in the repository is corrupt: {why}")
 
 
 class DigestMismatch(RepositoryError, ValueError):

@@ -165,7 +165,10 @@ class S3Repository(Repository):
             code = str(e.response.get("Error", {}).get("Code", ""))
             if code in _NOT_FOUND or code == "InvalidRange":  # the caller decides what these mean
                 raise
-            if code in ("NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if status >= 500 or code in ("NoSuchBucket", "AccessDenied", "InvalidAccessKeyId",
+                                         "SignatureDoesNotMatch", "SlowDown"):
+                # the server erred (still, after botocore's retries) or refuses us: not this request's fault
                 raise RepositoryUnavailable(f"{what} in {self._where(kw.get('Key', ''))}: {code}: {e}") from e
             raise RepositoryError(f"{what} in {self._where(kw.get('Key', ''))} failed: {e}") from e
         except botocore.exceptions.BotoCoreError as e:
