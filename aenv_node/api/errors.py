@@ -38,7 +38,6 @@ from ..runtime.errors import (
 from ..snapshot.envd import EnvdUnavailable
 from ..state.errors import DatabaseBusy, IdempotencyMismatch, IllegalTransition, NotFound
 from ..storage.errors import LayerCorrupt
-from ..vmm.errors import VmmExited
 from ..storage.repository.errors import (
     OwnershipConflict,
     OwnershipLost,
@@ -46,6 +45,7 @@ from ..storage.repository.errors import (
     RepositoryError,
     RepositoryUnavailable,
 )
+from ..vmm.errors import VmmExited
 
 __all__ = ["ApiError", "ERROR_CODE", "ERROR_STATUS", "mapped_status", "status_for", "error_response", "install_error_handlers"]
 

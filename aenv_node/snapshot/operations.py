@@ -36,8 +36,8 @@ from sqlalchemy.orm import Session
 from ..faults import crash_point
 from ..net import EgressPolicy, Slot
 from ..state import (
-    EventSubject,
     Database,
+    EventSubject,
     Sandbox,
     SandboxState,
     SnapshotKind,
@@ -147,7 +147,6 @@ class SnapshotOperations:
         self.publish_retry_s = publish_retry_s
         #: pause snapshots queued or being published (``wait_published``; the retry skips them)
         self._queued: set[str] = set()
-        self._publishing = 0
         self._published = trio.Event()
         self._published.set()
 
@@ -165,10 +164,9 @@ class SnapshotOperations:
         """Queue the publish and compaction of a pause snapshot (also for the reconciler's pauses)."""
         if snapshot_id in self._queued:
             return
-        self._queued.add(snapshot_id)
-        if self._publishing == 0:
+        if not self._queued:
             self._published = trio.Event()
-        self._publishing += 1
+        self._queued.add(snapshot_id)
         self._after_pause_send.send_nowait((snapshot_id, sandbox_id))
 
     async def _retry_failed_publishes(self) -> None:
@@ -195,8 +193,7 @@ class SnapshotOperations:
             await self._publish_quietly(snapshot_id, sandbox_id)
         finally:
             self._queued.discard(snapshot_id)
-            self._publishing -= 1
-            if self._publishing == 0:
+            if not self._queued:
                 self._published.set()
         await self._compact_quietly(snapshot_id)
 
