@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from ..net import remove_orphans
 from ..snapshot.operations import SnapshotOperations
-from ..snapshot.publish import settle_record, unpublished_pauses
+from ..snapshot.publish import record_unsettled, settle_record, unpublished_pauses
 from ..snapshot.store import SnapshotStore
 from ..state import (
     Event,
@@ -167,8 +167,10 @@ class Reconciler:
         for sid, _ in found:  # a record naming this node as running would make other nodes refuse it
             try:
                 await settle_record(p.db, p.repository, sid, p.owner)
-            except Exception as exc:  # the repository may be unreachable: other nodes then see a stale owner
+            except Exception as exc:  # the repository may be unreachable: retried until it answers
                 log.warning("settling the ownership record of %s failed: %s", sid, exc)
+                error = f"{type(exc).__name__}: {exc}"
+                await p.db.run(record_unsettled, sid, error)
         removed = await remove_orphans(p.netcfg)
         if removed or found:
             log.info("reconcile: %d sandboxes settled, %d orphan slots removed", len(found), len(removed))

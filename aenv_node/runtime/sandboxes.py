@@ -23,7 +23,7 @@ from ..faults import crash_point
 from ..net import EgressPolicy
 from ..snapshot.envd import envd_metrics
 from ..snapshot.operations import Launch, SnapshotOperations
-from ..snapshot.publish import forget_published, settle_record
+from ..snapshot.publish import forget_published, record_unsettled, settle_record
 from ..state import Database, Sandbox, SandboxState, utcnow
 from ..state import repository as repo
 from ..state.idempotency import prior_create, record, request_hash
@@ -141,16 +141,18 @@ class SandboxService:
         killed = await self._kill(sandbox_id, reason=reason)
         if killed:
             # another node sharing the repository must not resume it any more
-            await trio.to_thread.run_sync(self._forget_published, sandbox_id)
+            try:
+                await trio.to_thread.run_sync(forget_published, self.parts.repository, sandbox_id, self.parts.owner)
+            except Exception as exc:  # the kill stands; the record goes when the repository answers again
+                await self._unsettled(sandbox_id, exc)
             self.parts.gc.request("kill")
         return killed
 
-    def _forget_published(self, sandbox_id: str) -> None:
-        """Delete the sandbox's record in the repository if this node owns it (blocking)."""
-        try:
-            forget_published(self.parts.repository, sandbox_id, self.parts.owner)
-        except Exception as exc:
-            log.warning("removing the published pointer of %s failed: %s", sandbox_id, exc)
+    async def _unsettled(self, sandbox_id: str, exc: Exception) -> None:
+        log.warning("removing the repository record of %s failed (retried every %.0f s): %s", sandbox_id,
+                    self.ops.publish_retry_s, exc)
+        error = f"{type(exc).__name__}: {exc}"
+        await self.db.run(record_unsettled, sandbox_id, error)
 
     async def _kill(self, sandbox_id: str, *, reason: str) -> bool:
         handle = self.registry.get(sandbox_id)
@@ -180,8 +182,8 @@ class SandboxService:
         ownership record if it still says running here (snapshot/publish.py ``settle_record``)."""
         try:
             await settle_record(self.db, self.parts.repository, sandbox_id, self.parts.owner)
-        except Exception as exc:  # the repository may be unreachable: other nodes then see a stale owner
-            log.warning("settling the ownership record of %s failed: %s", sandbox_id, exc)
+        except Exception as exc:  # the repository may be unreachable: retried until it answers
+            await self._unsettled(sandbox_id, exc)
 
     async def resolve(self, sandbox_id: str, port: int) -> SandboxHandle:
         """The live sandbox for proxied traffic; a paused one with autoResume is resumed first, and one being

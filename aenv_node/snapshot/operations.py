@@ -57,7 +57,7 @@ from .compaction import compact_snapshot
 from .envd import quiesce_guest, thaw_guest
 from .errors import ForkLimit, SandboxConflict
 from .gc import GarbageCollector
-from .publish import claim_for_resume, publish_snapshot, release_claim, unpublished_pauses
+from .publish import claim_for_resume, publish_snapshot, release_claim, retry_unsettled, unpublished_pauses
 from .source import SnapshotSource
 from .store import SnapshotStore
 
@@ -171,14 +171,18 @@ class SnapshotOperations:
 
     async def _retry_failed_publishes(self) -> None:
         """Every ``publish_retry_s``: queue again each pause still unpublished (its publish failed: the
-        repository down, full or erroring), so the repository's record catches up once the fault clears."""
+        repository down, full or erroring), and delete the records ended sandboxes left in the repository
+        (a kill while it was unreachable), so the repository catches up once the fault clears."""
         while True:
             await trio.sleep(self.publish_retry_s)
             try:
                 for snapshot_id, sandbox_id in await self.db.run(unpublished_pauses):
                     self.after_pause(snapshot_id, sandbox_id)
+                settled = await retry_unsettled(self.db, self.repo, self.owner)
+                if settled:
+                    log.info("removed the repository records of %d ended sandboxes: %s", len(settled), settled)
             except Exception:
-                log.exception("looking for unpublished pauses failed; trying again in %.0f s", self.publish_retry_s)
+                log.exception("retrying the repository's work failed; trying again in %.0f s", self.publish_retry_s)
 
     async def wait_published(self) -> None:
         """Until every pause queued so far is published (or its publish failed): a graceful stop waits here,

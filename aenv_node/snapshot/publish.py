@@ -61,12 +61,13 @@ from pathlib import Path
 from typing import Any, AsyncContextManager, Optional
 
 import trio
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..faults import crash_point
 from ..state import (
     Database,
+    Event,
     EventSubject,
     Layer,
     LayerKind,
@@ -86,7 +87,8 @@ from .layers import record_stack, ref_of, stack_of
 from .manifest import DiskLayerRef, SandboxRecord, SnapshotManifest
 
 __all__ = ["publish_snapshot", "import_sandbox", "owner_id", "Claim", "claim_for_resume", "release_claim",
-           "forget_published", "settle_record", "unpublished_pauses"]
+           "forget_published", "settle_record", "unpublished_pauses", "record_unsettled", "unsettled_records",
+           "retry_unsettled"]
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +229,45 @@ async def _publish_pointer(db: Database, repo: Repository, sandbox_id: str, snap
 
     await db.run(mark)
     return "written", rec.generation
+
+
+#: the event of a record left in the repository by a kill or an end that could not delete it (``error`` set), and
+#: of its deletion by a later retry (no error)
+SETTLE_EVENT = "ownership_settle"
+
+
+def record_unsettled(s: Session, sandbox_id: str, error: str) -> None:
+    """A sandbox ended (killed, or in error) but its record still names this node: the repository could not be
+    reached. ``retry_unsettled`` deletes it once it can."""
+    record_event(s, SETTLE_EVENT, sandbox_id=sandbox_id, error=error)
+
+
+def unsettled_records(s: Session) -> list[str]:
+    """Ended sandboxes whose newest ``ownership_settle`` event is a failure."""
+    newest = (select(Event.sandbox_id, func.max(Event.id).label("last")).where(Event.operation == SETTLE_EVENT)
+              .group_by(Event.sandbox_id).subquery())
+    return list(s.scalars(
+        select(Sandbox.id).join(newest, newest.c.sandbox_id == Sandbox.id).join(Event, Event.id == newest.c.last)
+        .where(Event.error.is_not(None), Sandbox.state.in_((SandboxState.KILLED, SandboxState.ERROR)))))
+
+
+async def retry_unsettled(db: Database, repo: Repository, owner: str) -> list[str]:
+    """Delete the records ``unsettled_records`` names (each deletion an ``ownership_settle`` event without an
+    error); the ones that fail again stay for the next retry. Returns the sandboxes settled."""
+    settled = []
+    for sid in await db.run(unsettled_records):
+        try:
+            await trio.to_thread.run_sync(forget_published, repo, sid, owner)
+        except Exception as exc:
+            log.info("the record of %s is still in the repository: %s", sid, exc)
+            continue
+        await db.run(_record_settled, sid)
+        settled.append(sid)
+    return settled
+
+
+def _record_settled(s: Session, sandbox_id: str) -> None:
+    record_event(s, SETTLE_EVENT, sandbox_id=sandbox_id, detail={"settled": True})
 
 
 def forget_published(repo: Repository, sandbox_id: str, owner: str) -> bool:

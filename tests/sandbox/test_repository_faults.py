@@ -15,7 +15,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 import httpx
@@ -53,7 +53,8 @@ def _assert_e2b_error(r: httpx.Response, status: int, contains: str) -> None:
 
 
 @pytest.fixture
-def s3_node(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[NodeProcess, FaultProxy]]:  # noqa: F811
+def s3_node(moto_endpoint: str,  # noqa: F811
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[NodeProcess, FaultProxy, Any]]:
     repo = make_s3_repository(moto_endpoint)
     up = urlparse(moto_endpoint)
     proxy = FaultProxy(up.hostname or "127.0.0.1", up.port or 80)
@@ -66,7 +67,7 @@ def s3_node(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
                          AENV_STORAGE_S3_MAX_ATTEMPTS="2", AENV_SNAPSHOT_PUBLISH_RETRY_INTERVAL_S="1") as node:
             for k, v in node.sdk_env().items():
                 monkeypatch.setenv(k, v)
-            yield node, proxy
+            yield node, proxy, repo
     finally:
         proxy.close()
         delete_bucket(repo)
@@ -85,11 +86,14 @@ def _paused_with_mark(node: NodeProcess) -> str:
     return sb.sandbox_id
 
 
-def test_s3_down_erroring_and_slow(s3_node: tuple[NodeProcess, FaultProxy]) -> None:
-    node, proxy = s3_node
+def test_s3_down_erroring_and_slow(s3_node: tuple[NodeProcess, FaultProxy, Any]) -> None:
+    node, proxy, repo = s3_node
     held = _paused_with_mark(node)
-    _wait(lambda: _published(node, held), "the first pause was not published")
+    doomed = _paused_with_mark(node)
+    _wait(lambda: _published(node, held) and _published(node, doomed), "the first pauses were not published")
     assert proxy.connections > 0  # the node's repository traffic goes through the proxy
+    Sandbox.connect(doomed, timeout=600)  # its record now says running here
+    assert repo.get_ownership(doomed) is not None
 
     for mode, status in (("down", 0), ("error", 503), ("error", 500)):
         proxy.set(mode, status=status)
@@ -104,10 +108,21 @@ def test_s3_down_erroring_and_slow(s3_node: tuple[NodeProcess, FaultProxy]) -> N
             r = c.post(f"/sandboxes/{held}/connect", json={"timeout": 600})
         _assert_e2b_error(r, 503, "the snapshot repository is unavailable")
         assert node.sql(f"SELECT state FROM sandboxes WHERE id = '{held}'") == [("paused",)]
+        if mode == "down":  # a kill succeeds; the record it could not delete is deleted once the fault clears
+            with node.api() as c:
+                assert c.delete(f"/sandboxes/{doomed}").status_code == 204
+            unsettled = lambda: node.sql(f"SELECT error IS NOT NULL FROM events "  # noqa: E731
+                                         f"WHERE sandbox_id = '{doomed}' AND operation = 'ownership_settle'")
+            _wait(lambda: bool(unsettled()), "the record the kill could not delete is not recorded")
+            assert set(unsettled()) == {(1,)}
 
         # the fault clears: the failed publish is retried, and the resume works
         proxy.set("pass")
         _wait(lambda: _published(node, cut), f"{mode} {status}: the failed publish was not retried")  # noqa: B023
+        if mode == "down":
+            _wait(lambda: repo.get_ownership(doomed) is None, "the killed sandbox's record stayed")
+            assert node.sql(f"SELECT error IS NULL FROM events WHERE sandbox_id = '{doomed}' "
+                            "AND operation = 'ownership_settle' ORDER BY id DESC LIMIT 1") == [(1,)]
         back = Sandbox.connect(cut, timeout=600)
         assert back.files.read(MARK) == f"kept by {cut}"
         back.kill()
