@@ -82,7 +82,7 @@ def crash_point(name: str, *, vmm_pid: int | None = None) -> None:
     """Die here (SIGKILL of this process) if ``name`` is the armed crash point and this is the armed hit; or
     SIGKILL ``vmm_pid`` if the point is armed for its VMM."""
     global _hits, _vmm_hits
-    if _VMM_ARMED is not None and _VMM_ARMED[0] == name and vmm_pid is not None:
+    if _VMM_ARMED is not None and _VMM_ARMED[0] == name and vmm_pid is not None and vmm_pid > 0:
         _vmm_hits += 1
         if _vmm_hits == _VMM_ARMED[1]:
             sys.stderr.write(f"crash point {name} (hit {_vmm_hits}): killing VMM {vmm_pid} with SIGKILL\n")

@@ -327,7 +327,9 @@ def test_crash_point(rig: Rig, cell: Cell) -> None:
         assert rig.sql("SELECT count(*) FROM template_builds WHERE status IN ('waiting', 'building')") == [(0,)]
         last = rig.sql("SELECT status, error FROM template_builds ORDER BY started_at DESC LIMIT 1")[0]
         assert last[0] == "error" and "interrupted" in last[1], last
-    check_invariants(rig)
+    # the restarted node's own background work (a publish, a compaction) writes a layer file a moment
+    # before its row: a leak is what stays
+    _eventually(lambda: check_invariants(rig))
     if cell.expect == "paused":
         assert mine is not None
         if cell.point.startswith("publish."):  # published again by the restart: the record says paused

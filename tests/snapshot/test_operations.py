@@ -19,7 +19,7 @@ import pytest
 import trio
 from sqlalchemy import select
 
-from aenv_node.snapshot.errors import ForkLimit, SandboxConflict
+from aenv_node.snapshot.errors import ForkLimit, SandboxConflict, StateDiskFull
 from aenv_node.snapshot.gc import GarbageCollector
 from aenv_node.snapshot.operations import Launch, LiveSandbox, SnapshotOperations
 from aenv_node.snapshot.source import SnapshotSource
@@ -47,6 +47,9 @@ OWNER = "node-a/abcd"
 
 class FakeVm:
     """A VM whose capture fails (the disk under the snapshot directory filled up, say)."""
+
+    #: no process behind it (the crash points read a VM's pid; 0 is never killed)
+    pid = 0
 
     def __init__(self) -> None:
         self.state = VmState.RUNNING
@@ -160,17 +163,18 @@ async def test_a_failed_capture_leaves_the_sandbox_running_with_the_error(db: Da
     ops, _ = _ops(db, tmp_path, launcher)
     _sandbox(db, "irun", SandboxState.RUNNING)
     handle = launcher.live["irun"] = FakeHandle("irun", _source())
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(StateDiskFull, match="the node's state disk is full: No space left on device"):
         await ops.snapshot("irun", name="mine")
     assert _state(db, "irun") == SandboxState.RUNNING and handle.vm.state is VmState.RUNNING
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(StateDiskFull, match="the node's state disk is full: No space left on device"):
         await ops.pause("irun")
     assert _state(db, "irun") == SandboxState.RUNNING and handle.stops == []  # not stopped: it runs on
     with db.session() as s:
         assert list(s.scalars(select(Snapshot))) == []  # nothing half committed
         errors = [(e.from_state, e.to_state, e.error) for e in s.scalars(select(Event).where(Event.error.is_not(None)))]
-    assert errors == [("snapshotting", "running", "OSError: [Errno 28] No space left on device"),
-                      ("pausing", "running", "OSError: [Errno 28] No space left on device")]
+    assert [(f, t) for f, t, _ in errors] == [("snapshotting", "running"), ("pausing", "running")]
+    assert all(e.startswith("StateDiskFull: the node's state disk is full: No space left on device")
+               for _, _, e in errors), errors
     assert list((tmp_path / "snapshots").iterdir()) == []  # the capture's directories went
 
 
