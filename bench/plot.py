@@ -2,6 +2,7 @@
 
   lifecycle.png  bench/lifecycle.py: each node operation beside its raw floor from the same run (log scale)
   kvmhost.png    bench/kvmhost.py: node / raw VMM per operation, Firecracker and QEMU with KVM, nested
+  soak.png       bench/soak.py: the node's RSS over the run, and p50/p90/p99 per operation
 
 A plot is skipped (and said so) when its JSON is missing. Needs the ``bench`` extra:
 ``.venv/bin/pip install -e '.[bench]'``.
@@ -81,7 +82,34 @@ def kvmhost() -> None:
     print(f"wrote {OUT / 'kvmhost.png'}")
 
 
+def soak() -> None:
+    data = _load("soak")
+    if data is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    t = [s for s, _ in data["node_rss_kib"]]
+    left.plot(t, [kib / 1024 for _, kib in data["node_rss_kib"]])
+    left.set_xlabel("s")
+    left.set_ylabel("node RSS (MiB)")
+    left.set_ylim(bottom=0)
+    left.set_title(f"node RSS, drift {data['rss_drift']}x", fontsize=10)
+    ops = list(data["latency"])
+    xs = range(len(ops))
+    for i, (q, name) in enumerate((("p50_ms", "p50"), ("p90_ms", "p90"), ("p99_ms", "p99"))):
+        right.bar([x + (i - 1) * 0.27 for x in xs], [data["latency"][op][q] for op in ops], width=0.27, label=name)
+    right.set_xticks(list(xs), [f"{op}\nn={data['latency'][op]['n']}" for op in ops], fontsize=8)
+    right.set_ylabel("ms (client side)")
+    right.legend(fontsize=8)
+    right.set_title(f"{data['operations']} ops, {len(data['errors'])} errors", fontsize=10)
+    fig.suptitle(f"Soak: {data['clients']} SDK clients, {data['duration_s']:.0f} s, QEMU TCG ({data['when'][:16]})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "soak.png", dpi=110)
+    print(f"wrote {OUT / 'soak.png'}")
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     lifecycle()
     kvmhost()
+    soak()
