@@ -57,20 +57,23 @@ class RepositoryGc:
         while True:
             await trio.sleep(st.repository_gc_interval_s)
             try:
-                report = await self.collect_once()
+                report, incomplete = await self.collect_once()
             except Exception as exc:  # an unreachable repository: try again next interval
                 log.warning("repository garbage collection failed: %s", exc)
                 continue
-            log.info("repository gc: removed %d manifests and %d layers (%.1f MiB) in %.1f s; kept %d manifests, "
-                     "%d layers", len(report.manifests_removed), len(report.layers_removed),
-                     report.bytes_removed / 2**20, report.duration_s, report.manifests_kept, report.layers_kept)
+            log.info("repository gc: removed %d manifests and %d layers (%.1f MiB) and %d cut uploads in %.1f s; "
+                     "kept %d manifests, %d layers", len(report.manifests_removed), len(report.layers_removed),
+                     report.bytes_removed / 2**20, incomplete, report.duration_s, report.manifests_kept,
+                     report.layers_kept)
             await self.parts.db.run(lambda s: record_event(
                 s, "repository_gc", subject=EventSubject.NODE, subject_id=self.parts.node_id,
-                duration_ms=report.duration_s * 1000, detail=report.summary()))
+                duration_ms=report.duration_s * 1000, detail={**report.summary(), "incomplete_removed": incomplete}))
 
-    async def collect_once(self) -> GcReport:
+    async def collect_once(self) -> tuple[GcReport, int]:
         """One collection in a thread this task owns: a cancellation (shutdown) asks it to stop between two
-        deletions and waits for it."""
+        deletions and waits for it. Then the leftovers of uploads a crash cut (on any node: temporary files,
+        pending multipart uploads) older than the same grace, which a publish completes within; returns the
+        report and how many of those went."""
         stop = threading.Event()
         grace = self.parts.cfg.storage.repository_gc_grace_s
 
@@ -85,7 +88,8 @@ class RepositoryGc:
             report = await trio.to_thread.run_sync(
                 lambda: self.parts.repository.collect_garbage(grace, stop=stop))
             n.cancel_scope.cancel()
-        return report
+        incomplete = await trio.to_thread.run_sync(self.parts.repository.sweep_incomplete, grace)
+        return report, incomplete
 
 
 class RowExpiry:

@@ -149,10 +149,11 @@ async def run_sandbox(
                             nonlocal vm_exit
                             vm_exit = await m.vm.wait()
                             if started.pausing:
-                                # a pause in progress ends the run itself: paused if its capture was whole
-                                # before the VMM died, else failed (error); the disk must stay open for its seal
+                                # the pause keeps the disk open for its seal and ends the run itself if its
+                                # capture was whole before the VMM died; if it failed, the run ends here
                                 log.warning("sandbox %s: its VMM exited (status %s) during its pause", sid, vm_exit)
-                                return
+                                async with started.op_lock:
+                                    pass
                             started.request_stop("vmm_exit")
 
                         watch.start_soon(vmm_watch)
@@ -236,6 +237,10 @@ def _record_end(s: Session, sb: Sandbox, current: SandboxState, *, reason: str, 
     sid = sb.id
     if current == S.PAUSING and paused_in is not None:
         repo.transition(s, sid, S.PAUSED, operation="pause", snapshot_id=paused_in, vmm_pid=None, slot_index=None)
+        return
+    if current == S.ERROR and reason in ("error", "vmm_exit"):
+        # a failed capture found the VMM gone and recorded why (snapshot/operations.py): it stays in error
+        repo.update_sandbox(s, sid, operation=operation, vmm_pid=None, slot_index=None)
         return
     if current == S.RESUMING:
         # the paused snapshot is intact: the sandbox is still paused
