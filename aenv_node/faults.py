@@ -38,6 +38,8 @@ POINTS: dict[str, str] = {
     "pause.quiesced": "pause: the guest's filesystem is frozen, nothing captured",
     "capture.captured": "pause, snapshot, fork: the VM's memory and device state are written, the disk layer "
                         "not sealed",
+    "capture.frozen": "pause, snapshot, fork: memory captured and the disk's upper frozen (writes go to a fresh "
+                      "one), the frozen upper not sealed",
     "capture.sealed": "pause, snapshot, fork: disk and memory layers written, the snapshot not committed",
     "pause.committed": "pause: the snapshot is committed, the VMM still runs, the paused transition not committed",
     "snapshot.committed": "snapshot, fork: the snapshot is committed, the sandbox still marked snapshotting "

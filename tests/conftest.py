@@ -50,7 +50,8 @@ def node_config(state_dir: Path) -> Config:
     return load_config(
         environ={},
         overrides={
-            "node": {"state_dir": str(state_dir), "shutdown_grace_s": 5},
+            # in-process nodes run their disks and VMMs in the test's process (the data plane: test_data_plane)
+            "node": {"state_dir": str(state_dir), "shutdown_grace_s": 5, "data_plane": False},
             "api": {"listen": f"127.0.0.1:{free_port()}"},
             "net": {"egress": False},
         },

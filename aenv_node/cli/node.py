@@ -7,6 +7,7 @@ environment variables and the flags (see docs/configuration.md).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -55,9 +56,11 @@ def pass_config(fn: Any) -> Any:
 @main.command()
 @state_dir_option
 @click.option("--listen", default=None, help="HOST:PORT to serve the API on (default 127.0.0.1:8000).")
+@click.option("--pause-on-stop", is_flag=True, default=None,
+              help="On SIGTERM pause and publish running sandboxes, also with a data plane (node.pause_on_stop).")
 @click.pass_context
 @one_line_errors
-def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> None:
+def serve(ctx: click.Context, state_dir: Path | None, listen: str | None, pause_on_stop: bool | None) -> None:
     """Run the node: migrate the database, reconcile, serve the API until SIGTERM."""
     import trio
 
@@ -69,6 +72,8 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> Non
     from ..faults import check_armed
 
     cfg = _cfg(ctx, state_dir, listen=listen)
+    if pause_on_stop:
+        cfg = dataclasses.replace(cfg, node=dataclasses.replace(cfg.node, pause_on_stop=True))
     setup_logging(cfg.node.log_level)
     try:
         check_armed()
@@ -94,6 +99,96 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None) -> Non
         trio.run(main_task)
     except BaseExceptionGroup as group:
         raise click.ClickException(_first_error(group)) from None
+
+
+@main.group()
+def dataplane() -> None:
+    """The node's data plane: the process that serves sandbox disks and runs their VMMs (node.data_plane)."""
+
+
+@dataplane.command("run")
+@pass_config
+def dataplane_run(cfg: Config) -> None:
+    """Run the data plane until SIGTERM (which ends every VMM and disk it holds).
+
+    The node starts it by itself when node.data_plane is true; run it by hand only to debug it."""
+    import trio
+
+    from ..dataplane import serve_dataplane
+    from ..storage.cache import LayerCache, run_janitor
+    from ..storage.repository import repository_from_config
+
+    setup_logging(cfg.node.log_level)
+    st = cfg.storage
+
+    async def main_task() -> None:
+        repository = repository_from_config(cfg)
+        # its own cache directory: the control plane's cache is another process's, with its own bookkeeping
+        cache = LayerCache(cfg.state_dir / "cache-dataplane", repository, capacity_bytes=st.cache_capacity_bytes,
+                           high_watermark=st.cache_high_watermark, low_watermark=st.cache_low_watermark)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_janitor, cache)
+                await serve_dataplane(cfg.run_dir, cache)
+                nursery.cancel_scope.cancel()
+        finally:
+            cache.close()
+            repository.close()
+
+    trio.run(main_task)
+
+
+@dataplane.command("status")
+@pass_config
+def dataplane_status(cfg: Config) -> None:
+    """Whether the data plane runs, and what it holds (one line per disk and VMM)."""
+    from ..dataplane import DataPlaneUnavailable
+    from ..dataplane.wire import call_blocking
+
+    sock = cfg.run_dir / "dataplane.sock"
+    try:
+        info = call_blocking(sock, "ping")
+        disks = call_blocking(sock, "disk.list")
+        vmms = call_blocking(sock, "vmm.list")
+    except DataPlaneUnavailable:
+        raise click.ClickException(f"no data plane answers at {sock}") from None
+    click.echo(f"data plane pid {info['pid']}: {len(disks)} disks, {len(vmms)} VMMs")
+    for d in disks:
+        click.echo(f"disk {d['sandbox_id']} {d['source']} ({len(d['layers'])} layers)")
+    for v in vmms:
+        click.echo(f"vmm {v['pid']} {v['key']}")
+
+
+@dataplane.command("stop")
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for it to exit.")
+@pass_config
+def dataplane_stop(cfg: Config, timeout: float) -> None:
+    """Stop the data plane: every VMM it runs is killed and every disk closed (stop the node first; running
+    sandboxes then fall back to their last periodic snapshot at the node's next start)."""
+    import os
+    import signal
+    import time
+
+    from ..vmm.process import read_pid_file
+
+    pid = read_pid_file(cfg.run_dir / "dataplane.pid")
+    if pid is None or b"dataplane" not in _cmdline(pid):
+        click.echo("no data plane runs", err=True)
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and b"dataplane" in _cmdline(pid):
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"the data plane (pid {pid}) did not exit within {timeout:.0f} s")
+        time.sleep(0.05)
+    click.echo(f"data plane (pid {pid}) stopped", err=True)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _first_error(exc: BaseException) -> str:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..config import Config
+from ..storage.repository import repository_from_config
 from ._common import build_config, one_line_errors, state_dir_option
 
 if TYPE_CHECKING:
@@ -122,16 +123,6 @@ class _Status:
         outcome = "failed" if exc_type is not None else "done"
         lead = "\r" if self._tty else ""
         click.echo(f"{lead}{self.what}: {outcome} in {time.monotonic() - self._t0:.1f} s", err=True)
-
-
-def _open_repository(cfg: Config) -> Repository:
-    from ..storage.repository import open_repository
-
-    st = cfg.storage
-    if st.repository == "posix_fs":
-        return open_repository("posix_fs", path=cfg.repository_path)
-    return open_repository("s3", bucket=st.s3_bucket, region=st.s3_region, endpoint_url=st.s3_endpoint or None,
-                           prefix=st.s3_prefix)
 
 
 def _database(cfg: Config) -> Database:
@@ -250,7 +241,7 @@ def layer_import(cfg: Config, file: Path, virtual_size: str | None, compress: bo
     if file.is_dir():
         raise _fail(f"{file} is a directory, not a disk image")
     vsize = _parse_size(virtual_size) if virtual_size is not None else None
-    repo = _open_repository(cfg)
+    repo = repository_from_config(cfg)
     staging = _staging_dir(cfg, "import-")
     try:
         info = _build_base_layer(file, staging, vsize, "zstd" if compress else None)
@@ -368,7 +359,7 @@ async def _serve(cfg: Config, digests: list[str], upper_dir: Path | None, peek: 
 
     # Open the receiver first: a signal that arrives while the image is being opened still ends the run cleanly.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        repo = await trio.to_thread.run_sync(_open_repository, cfg)
+        repo = await trio.to_thread.run_sync(repository_from_config, cfg)
         db = None
         cache: LayerCache | None = None
         img: Image | None = None
@@ -462,7 +453,7 @@ def image_seal(cfg: Config, upper_dir: Path) -> None:
         size, stack = peek
         if stack is None:
             raise _fail(f"upper {upper_dir} records no layer stack, so the sealed layer could not be stacked again")
-        repo = _open_repository(cfg)
+        repo = repository_from_config(cfg)
         staging: Path | None = None
         try:
             _check_in_repository(repo, [_full_digest(d) for d in stack])

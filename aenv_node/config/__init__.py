@@ -48,6 +48,8 @@ class NodeSection:
     node_id: str = ""
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
+    data_plane: bool = True
+    pause_on_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,21 @@ class Config:
         for sec in dataclasses.fields(self):
             values = dataclasses.asdict(getattr(self, sec.name))
             out[sec.name] = {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items()}
+        return out
+
+    def as_environment(self) -> dict[str, str]:
+        """Every key as the ``AENV_<SECTION>_<KEY>`` variable that sets it: a process started with these reads
+        exactly this configuration (the node hands its own to the data plane it starts)."""
+        out: dict[str, str] = {}
+        for sec_name, values in self.as_toml_dict().items():
+            for key, value in values.items():
+                if isinstance(value, bool):
+                    text = "true" if value else "false"
+                elif isinstance(value, (tuple, list)):
+                    text = ",".join(value)
+                else:
+                    text = str(value)
+                out[f"AENV_{sec_name.upper()}_{key.upper()}"] = text
         return out
 
 

@@ -190,6 +190,12 @@ class SlotPool:
             raise SlotError(f"slot {slot.index} already belongs to this pool")
         self._leased[slot.index] = slot
 
+    def disown(self, slot: Slot) -> None:
+        """Stop counting a leased slot as this pool's, leaving it as it is (a sandbox that runs on after the
+        node stops, for the node's next run to ``adopt``): closing the pool then does not destroy it."""
+        if self._leased.pop(slot.index, None) is None:
+            raise SlotError(f"slot {slot.index} was not acquired from this pool")
+
     async def release(self, slot: Slot, *, reuse: bool = True) -> None:
         """Give back a slot whose sandbox is gone (its VMM has exited). It is reset and kept when
         the pool is short of ``size`` and ``reuse`` is true, else destroyed."""

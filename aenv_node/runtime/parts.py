@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import Config, ConfigError
+from ..dataplane import DataPlaneClient
 from ..net import NetworkConfig, SlotPool
 from ..snapshot.gc import GarbageCollector, LiveStack
 from ..snapshot.publish import owner_id
@@ -26,10 +27,11 @@ from ..snapshot.store import SnapshotStore
 from ..state import Database
 from ..storage.cache import LayerCache
 from ..storage.frontends import DiskFrontend, FrontendKind, choose_frontend
-from ..storage.repository import Repository, open_repository
+from ..storage.repository import Repository, repository_from_config
 from ..vmm import Accel, VmmDriver, make_driver
 from ..vmm.capture_buffer import CaptureBufferPool
 from .errors import NodeNotReady
+from .sandbox import Adoption
 
 __all__ = ["NodeParts", "node_tag"]
 
@@ -46,16 +48,6 @@ def node_tag(cfg: Config) -> str:
 def _which(binary: str) -> Path:
     found = shutil.which(binary)
     return Path(found) if found else Path(binary)
-
-
-def _open_repository(cfg: Config) -> Repository:
-    st = cfg.storage
-    if st.repository == "s3":
-        conditional = {"auto": None, "true": True, "false": False}[st.s3_conditional_writes]
-        return open_repository("s3", endpoint_url=st.s3_endpoint, bucket=st.s3_bucket, region=st.s3_region,
-                               prefix=st.s3_prefix, conditional_writes=conditional,
-                               max_attempts=st.s3_max_attempts)
-    return open_repository("posix_fs", path=str(cfg.repository_path))
 
 
 @dataclass
@@ -82,6 +74,11 @@ class NodeParts:
     cache: Optional[LayerCache] = None
     pool: Optional[SlotPool] = None
     live_stacks: Callable[[], list[LiveStack]] = field(default=lambda: [])
+    #: the data plane (``node.data_plane``): it serves sandbox disks and starts the VMMs; None: this process does
+    dataplane: Optional[DataPlaneClient] = None
+    #: sandboxes the previous run left running in the data plane, found by the reconciler, taken over by the
+    #: sandbox registry when it starts
+    adoptions: dict[str, Adoption] = field(default_factory=dict)
 
     @classmethod
     def build(cls, cfg: Config, db: Database, node_id: str) -> "NodeParts":
@@ -112,9 +109,12 @@ class NodeParts:
             netcfg=NetworkConfig(node_tag=tag, pool_cidr=cfg.net.pool_cidr, egress=cfg.net.egress),
             driver=choice.driver, accel=choice.accel, frontend=frontend,
             free_page_reporting=free_page_reporting,
-            repository=_open_repository(cfg),
+            repository=repository_from_config(cfg),
             capture_buffers=CaptureBufferPool(cfg.snapshot.capture_buffer_mib << 20, cfg.snapshot.capture_buffers),
             store=store, gc=gc, owner=owner_id(node_id, tag))
+        if cfg.node.data_plane:
+            parts.dataplane = DataPlaneClient(cfg.run_dir, frontend)
+            choice.driver.spawner = parts.dataplane.spawn
         return parts
 
     def running_pool(self) -> SlotPool:

@@ -20,6 +20,16 @@ process is this sandbox's), its run and work directories, its
 repository ownership record, and every network slot of this node's range.
 A sandbox paused here whose snapshot was never published (the stop came
 between the pause and its publish) is queued for publishing again.
+
+With a data plane (``node.data_plane``) the data plane is started first if none
+answers, and a sandbox it still serves is taken over instead (``Adoption``:
+the sandbox registry attaches to it when it starts): its row said running, or
+a capture the restart cut (snapshotting, forking, or pausing with no committed
+pause snapshot), its disk is open in the data plane, and its VMM is alive, is
+the data plane's child, and is the one it recorded in ``run/<id>/vmm.pid``.
+Everything else the data plane holds (a disk or a VMM no sandbox is taken
+over with) is closed or killed: only what the node started, found by what it
+recorded, never by a scan of processes.
 """
 
 from __future__ import annotations
@@ -35,11 +45,13 @@ from sqlalchemy.orm import Session
 
 from ..net import remove_orphans
 from ..snapshot.operations import SnapshotOperations
+from ..snapshot.layers import ensure_layers
 from ..snapshot.publish import record_unsettled, settle_record, unpublished_pauses
 from ..snapshot.store import SnapshotStore
 from ..state import (
     Event,
     EventSubject,
+    LayerKind,
     NetworkSlot,
     Sandbox,
     SandboxState,
@@ -49,8 +61,10 @@ from ..state import (
 )
 from ..state import repository as repo
 from ..vmm import kill_recorded
+from ..vmm.process import read_pid_file
 from .node import Node
 from .parts import NodeParts
+from .sandbox import Adoption
 
 __all__ = ["Reconciler", "LIVE_STATES"]
 
@@ -89,11 +103,37 @@ def _pause_snapshot_of_this_pause(s: Session, sandbox_id: str) -> Optional[str]:
         .order_by(Snapshot.created_at.desc()).limit(1))
 
 
-def _settle_rows(s: Session) -> list[tuple[str, str]]:
-    """Every sandbox the previous run left live, settled; (snapshot, sandbox) to publish again."""
+def _adoptable(s: Session, sandbox_id: str) -> Optional[SandboxState]:
+    """The state a sandbox was left in, if it is one a take-over continues from (None: settle it)."""
+    sb = s.get(Sandbox, sandbox_id)
+    if sb is None:
+        return None
+    state = SandboxState(sb.state)
+    if state in (S.RUNNING, S.SNAPSHOTTING, S.FORKING):
+        return state
+    if state == S.PAUSING and _pause_snapshot_of_this_pause(s, sandbox_id) is None:
+        return state  # the pause committed nothing: the sandbox runs on
+    return None
+
+
+def _slot_and_snapshot(s: Session, sandbox_id: str) -> tuple[Optional[int], Optional[str]]:
+    sb = s.get(Sandbox, sandbox_id)
+    return (sb.slot_index, sb.snapshot_id) if sb is not None else (None, None)
+
+
+def _settle_rows(s: Session, adopted: dict[str, Adoption]) -> list[tuple[str, str]]:
+    """Every sandbox the previous run left live, settled (a taken-over one: running, every layer of its disk a
+    row of the node's); (snapshot, sandbox) to publish again."""
     republish: list[tuple[str, str]] = []
     for sb in s.scalars(select(Sandbox).where(Sandbox.state.in_(LIVE_STATES))):
         current = sb.state
+        if sb.id in adopted:
+            ensure_layers(s, adopted[sb.id].layers, LayerKind.DISK)
+            if current != S.RUNNING:
+                repo.transition(s, sb.id, S.RUNNING, operation="reconcile",
+                                detail={"reason": f"the node restarted during {current}; the sandbox runs on in "
+                                                  "the data plane and the operation committed nothing"})
+            continue
         if current == S.RESUMING:
             # its pause snapshot is intact: it is still paused
             repo.transition(s, sb.id, S.PAUSED, operation="reconcile", vmm_pid=None, slot_index=None)
@@ -126,7 +166,9 @@ def _settle_rows(s: Session) -> list[tuple[str, str]]:
             repo.transition(s, sb.id, S.KILLING, operation="reconcile")
         repo.transition(s, sb.id, S.KILLED, operation="reconcile", vmm_pid=None, slot_index=None,
                         detail={"reason": "the node restarted; its VMM did not survive"})
-    s.execute(delete(NetworkSlot))
+    s.execute(delete(NetworkSlot).where(NetworkSlot.slot_index.not_in(
+        [sb.slot_index for sb in s.scalars(select(Sandbox).where(Sandbox.id.in_(list(adopted))))
+         if sb.slot_index is not None])))
     return republish
 
 
@@ -139,10 +181,14 @@ class Reconciler:
 
     async def __call__(self, node: Node) -> None:
         p = self.parts
-        await remove_orphans(p.netcfg)
-        # what the last run left goes first, whatever the rows below turn out to need: nothing else owns it
         found = await p.db.run(_left_live)
+        adopted = await self._find_adoptable(found)
+        keep_slots = [a.slot.index for a in adopted.values()]
+        await remove_orphans(p.netcfg, keep=keep_slots)
+        # what the last run left goes first, whatever the rows below turn out to need: nothing else owns it
         for sid, pid in found:
+            if sid in adopted:
+                continue
             # the pid the VMM itself recorded before it ran (a create or a fork child killed before its row
             # named one), else the row's
             killed = kill_recorded(p.cfg.run_dir / sid / "vmm.pid", sid)
@@ -154,10 +200,13 @@ class Reconciler:
                     pass
             if killed is not None:
                 log.warning("reconcile: killed leftover VMM %d of sandbox %s", killed, sid)
+            if p.dataplane is not None:  # the disk it served goes with it
+                await p.dataplane.close_disk(sid)
             # its sockets and its writable upper died with it (a pause's state is in its snapshot)
             shutil.rmtree(p.cfg.run_dir / sid, ignore_errors=True)
             shutil.rmtree(p.cfg.sandboxes_dir / sid, ignore_errors=True)
-        republish = await p.db.run(_settle_rows)
+        await self._clear_dataplane(adopted)
+        republish = await p.db.run(_settle_rows, adopted)
         # pauses whose publish the stop cut (their local snapshot is whole; the repository's record is not)
         republish += await p.db.run(unpublished_pauses)
         for snapshot_id, sid in republish:
@@ -165,12 +214,59 @@ class Reconciler:
             # nodes may resume it) instead of running on this node
             self.ops.after_pause(snapshot_id, sid)
         for sid, _ in found:  # a record naming this node as running would make other nodes refuse it
+            if sid in adopted:
+                continue  # it runs here: the record is right
             try:
                 await settle_record(p.db, p.repository, sid, p.owner)
             except Exception as exc:  # the repository may be unreachable: retried until it answers
                 log.warning("settling the ownership record of %s failed: %s", sid, exc)
                 error = f"{type(exc).__name__}: {exc}"
                 await p.db.run(record_unsettled, sid, error)
-        removed = await remove_orphans(p.netcfg)
+        removed = await remove_orphans(p.netcfg, keep=keep_slots)
+        p.adoptions = adopted
         if removed or found:
-            log.info("reconcile: %d sandboxes settled, %d orphan slots removed", len(found), len(removed))
+            log.info("reconcile: %d sandboxes settled (%d to take over), %d orphan slots removed", len(found),
+                     len(adopted), len(removed))
+
+    async def _find_adoptable(self, found: list[tuple[str, Optional[int]]]) -> dict[str, Adoption]:
+        """With a data plane (started here if none answers): the sandboxes to take over (module docstring)."""
+        p = self.parts
+        if p.dataplane is None:
+            return {}
+        await p.dataplane.ensure_running(env=p.cfg.as_environment(), log_path=p.cfg.state_dir / "logs" /
+                                         "dataplane.log")
+        if not p.driver.attachable:
+            return {}
+        held = {d.sandbox_id for d in await p.dataplane.held_disks()}
+        children = await p.dataplane.children()
+        out: dict[str, Adoption] = {}
+        for sid, _ in found:
+            pid = read_pid_file(p.cfg.run_dir / sid / "vmm.pid")
+            if sid not in held or pid is None or children.get(pid) != f"aenv-{sid}" or not _is_our_vmm(pid, sid):
+                continue
+            state = await p.db.run(_adoptable, sid)
+            slot_index, snapshot_id = await p.db.run(_slot_and_snapshot, sid)
+            if state is None or slot_index is None or snapshot_id is None:
+                continue
+            # an upper a cut capture froze is sealed into a layer: the stack the guest sees, as it is
+            disk = await p.dataplane.recover_disk(sid, p.cfg.layers_dir)
+            out[sid] = Adoption(vmm_pid=pid, slot=p.netcfg.slot(slot_index), left_in=state, disk_source=disk.source,
+                                layers=disk.refs, snapshot_id=snapshot_id)
+        return out
+
+    async def _clear_dataplane(self, adopted: dict[str, Adoption]) -> None:
+        """Close every disk and kill every VMM the data plane holds that no taken-over sandbox uses."""
+        p = self.parts
+        if p.dataplane is None:
+            return
+        keep = {a.vmm_pid for a in adopted.values()}
+        for pid, key in (await p.dataplane.children()).items():
+            if pid not in keep:
+                log.warning("reconcile: killing VMM %d (%s) the data plane ran for the previous run", pid, key)
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        for disk in await p.dataplane.held_disks():
+            if disk.sandbox_id not in adopted:
+                await p.dataplane.close_disk(disk.sandbox_id)

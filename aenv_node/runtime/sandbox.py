@@ -11,34 +11,40 @@ why.
 
 Operations on a live sandbox (pause, snapshot, fork) borrow its VM and image
 through the handle under ``op_lock``; the task keeps owning them.
+
+With a data plane (``node.data_plane``) the disk is served there and the VMM is its child, so both outlive
+this process; ``adopt`` then takes over a sandbox a previous run of the node left running (``Adoption``,
+found by the reconciler): the same task, entered at the point where the sandbox runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import trio
 from sqlalchemy.orm import Session
 
 from ..config import LogsSection
+from ..dataplane import DataPlaneClient
 from ..faults import crash_point
 from ..net import EgressPolicy, Slot, SlotPool
-from ..snapshot.envd import init_envd
-from ..snapshot.machine import open_machine
+from ..snapshot.envd import init_envd, thaw_guest
+from ..snapshot.machine import Machine, attach_machine, open_machine
 from ..snapshot.source import SnapshotSource
 from ..state import Database, Sandbox, SandboxState
 from ..state import repository as repo
-from ..storage import Image, LayerSourceProvider, open_image
+from ..storage import LayerRef, LayerSourceProvider, LiveDisk, open_image
 from ..storage.frontends import DiskFrontend
-from ..vmm import Vm, VmmDriver, VmmExited
+from ..vmm import Vm, VmmDriver, VmmExited, VmState
 from .console_log import ConsoleLog
 
-__all__ = ["SandboxSpec", "SandboxHandle", "run_sandbox"]
+__all__ = ["Adoption", "SandboxSpec", "SandboxHandle", "run_sandbox"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,23 @@ class SandboxSpec:
     traffic_token: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class Adoption:
+    """A sandbox a previous run of the node left running in the data plane, to be taken over (the reconciler
+    found its VMM by the pid it recorded, alive and the data plane's child, and its disk open there)."""
+
+    vmm_pid: int
+    slot: Slot
+    #: the state its row was left in (running, or a capture the restart cut: the VM may be stopped and its
+    #: filesystem frozen)
+    left_in: SandboxState
+    #: its disk in the data plane: where it is served, and its stack (an upper a cut capture froze sealed)
+    disk_source: str
+    layers: tuple[LayerRef, ...]
+    #: the snapshot it was restored from (its VMM maps that snapshot's memory image)
+    snapshot_id: str
+
+
 @dataclass
 class SandboxHandle:
     """The live part of a sandbox that other tasks may touch (``snapshot.operations.LiveSandbox``)."""
@@ -74,7 +97,7 @@ class SandboxHandle:
     vmm_pid: int
     source: SnapshotSource
     vm: Vm
-    image: Image
+    image: LiveDisk
     slot: Slot
     traffic_token: Optional[str] = None
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -89,11 +112,19 @@ class SandboxHandle:
     paused_snapshot_id: Optional[str] = None
     #: True while a pause runs (from its PAUSING transition until the VMM is gone or runs again): traffic waits
     pausing: bool = False
+    #: the node stops and leaves this sandbox running in the data plane for its next run (``detach``)
+    detached: bool = False
 
     def request_stop(self, reason: str = "kill") -> None:
         if not self.stop_requested.is_set():
             self.stop_reason = reason
             self.stop_requested.set()
+
+    def detach(self) -> None:
+        """Keep the sandbox running when the node stops: its VMM and its disk live in the data plane, and the
+        node's next run takes it over. Its task then ends without killing, closing or recording anything."""
+        self.detached = True
+        self.vm.detach()
 
 
 async def run_sandbox(
@@ -106,6 +137,8 @@ async def run_sandbox(
     live: dict[str, SandboxHandle],
     cache: Optional[LayerSourceProvider] = None,
     logs: LogsSection,
+    dataplane: Optional[DataPlaneClient] = None,
+    adopt: Optional[Adoption] = None,
     task_status: trio.TaskStatus[SandboxHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     sid = spec.sandbox_id
@@ -115,60 +148,89 @@ async def run_sandbox(
     error: str | None = None
     vm_exit: int | None = None
     try:
-        slot = await pool.acquire(spec.policy)
-        try:
-            image = await trio.to_thread.run_sync(open_image, src.disk_layers, spec.workdir / "upper", cache)
-            try:
-                async with open_machine(driver, src.shape, disk=image, slot=slot, workdir=spec.workdir,
-                                        run_dir=spec.run_dir, snapshot=src.files,
-                                        name=f"aenv-{sid}", frontend=frontend) as m:
-                    t_restored = time.monotonic()
-                    crash_point("launch.vmm_started", vmm_pid=m.vm.pid)
-                    await _init_or_exit(m.vm, slot.address, spec)
-                    duration_ms = (time.monotonic() - t0) * 1000
-                    crash_point("launch.envd_ready", vmm_pid=m.vm.pid)
-                    handle = SandboxHandle(
-                        sid, slot.address, spec.access_token, slot.index, m.vm.pid, source=src.copy(),
-                        vm=m.vm, image=image, slot=slot, env_vars=dict(spec.env_vars),
-                        traffic_token=spec.traffic_token)
-                    started = handle
+        async with contextlib.AsyncExitStack() as stack:
+            def unless_detached(fn: Callable[..., Awaitable[object]], *args: object) -> Callable[[], Awaitable[None]]:
+                async def cleanup() -> None:
+                    if handle is None or not handle.detached:
+                        await _shielded(fn, *args)
+                return cleanup
 
-                    def ready(s: Session) -> None:
-                        repo.claim_slot(s, slot.index, sid)
-                        repo.transition(s, sid, S.RUNNING, operation=spec.operation,
-                                        duration_ms=duration_ms, vmm_pid=m.vm.pid,
-                                        slot_index=slot.index, workdir=str(spec.workdir),
-                                        snapshot_id=src.snapshot_id,
-                                        detail={"restore_ms": round((t_restored - t0) * 1000, 1)})
+            slot = adopt.slot if adopt is not None else await pool.acquire(spec.policy)
+            stack.push_async_callback(unless_detached(pool.release, slot))
+            image: LiveDisk
+            if adopt is not None:
+                assert dataplane is not None
+                remote = dataplane.attach_disk(sid, adopt.disk_source, adopt.layers)
+                image = remote
+                stack.push_async_callback(unless_detached(trio.to_thread.run_sync, remote.close))
+                src.disk_layers = list(adopt.layers)
+                m = await stack.enter_async_context(attach_machine(
+                    driver, src.shape, disk_source=remote.source, slot=slot, workdir=spec.workdir,
+                    run_dir=spec.run_dir, restored_from=src.files, proc=dataplane.adopt(adopt.vmm_pid),
+                    name=f"aenv-{sid}"))
+                await _take_over(m, adopt, spec)
+                t_restored = time.monotonic()
+            else:
+                if dataplane is None:
+                    local = await trio.to_thread.run_sync(open_image, src.disk_layers, spec.workdir / "upper", cache)
+                    image = local
+                    stack.push_async_callback(_shielded, trio.to_thread.run_sync, local.close)
+                    disk_args: dict[str, object] = {"disk": local}
+                else:
+                    remote = await dataplane.open_disk(sid, src.disk_layers, spec.workdir / "upper", spec.run_dir)
+                    image = remote
+                    stack.push_async_callback(unless_detached(trio.to_thread.run_sync, remote.close))
+                    disk_args = {"disk_source": remote.source}
+                m = await stack.enter_async_context(open_machine(
+                    driver, src.shape, slot=slot, workdir=spec.workdir, run_dir=spec.run_dir, snapshot=src.files,
+                    name=f"aenv-{sid}", frontend=frontend, **disk_args))  # type: ignore[arg-type]
+                t_restored = time.monotonic()
+                crash_point("launch.vmm_started", vmm_pid=m.vm.pid)
+                await _init_or_exit(m.vm, slot.address, spec)
+                crash_point("launch.envd_ready", vmm_pid=m.vm.pid)
+            duration_ms = (time.monotonic() - t0) * 1000
+            handle = SandboxHandle(
+                sid, slot.address, spec.access_token, slot.index, m.vm.pid, source=src.copy(),
+                vm=m.vm, image=image, slot=slot, env_vars=dict(spec.env_vars),
+                traffic_token=spec.traffic_token)
+            started = handle
 
-                    await db.run(ready)
-                    live[sid] = handle
-                    task_status.started(handle)
-                    async with trio.open_nursery() as watch:
-                        async def vmm_watch() -> None:
-                            nonlocal vm_exit
-                            vm_exit = await m.vm.wait()
-                            if started.pausing:
-                                # the pause keeps the disk open for its seal and ends the run itself if its
-                                # capture was whole before the VMM died; if it failed, the run ends here
-                                log.warning("sandbox %s: its VMM exited (status %s) during its pause", sid, vm_exit)
-                                async with started.op_lock:
-                                    pass
-                            started.request_stop("vmm_exit")
+            def ready(s: Session) -> None:
+                repo.claim_slot(s, slot.index, sid)
+                detail: dict[str, object] = {"restore_ms": round((t_restored - t0) * 1000, 1)}
+                if adopt is not None:
+                    detail = {"reason": "taken over after a restart of the node", "left_in": adopt.left_in.value}
+                repo.transition(s, sid, S.RUNNING, operation=spec.operation,
+                                duration_ms=duration_ms, vmm_pid=m.vm.pid,
+                                slot_index=slot.index, workdir=str(spec.workdir),
+                                snapshot_id=src.snapshot_id, detail=detail)
 
-                        watch.start_soon(vmm_watch)
-                        # the console into the sandbox's logs, read to its end when the watch is cancelled
-                        watch.start_soon(ConsoleLog(db, sid, m.config.console_path, logs).run)
-                        await handle.stop_requested.wait()
-                        watch.cancel_scope.cancel()
-                    if handle.stop_reason == "vmm_exit":
-                        error = f"the VMM exited unexpectedly (status {vm_exit}); see {spec.workdir}/console.log"
-            finally:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(image.close)
-        finally:
-            with trio.CancelScope(shield=True):
-                await pool.release(slot)
+            await db.run(ready)
+            live[sid] = handle
+            task_status.started(handle)
+            async with trio.open_nursery() as watch:
+                async def vmm_watch() -> None:
+                    nonlocal vm_exit
+                    vm_exit = await m.vm.wait()
+                    if started.pausing:
+                        # the pause keeps the disk open for its seal and ends the run itself if its
+                        # capture was whole before the VMM died; if it failed, the run ends here
+                        log.warning("sandbox %s: its VMM exited (status %s) during its pause", sid, vm_exit)
+                        async with started.op_lock:
+                            pass
+                    started.request_stop("vmm_exit")
+
+                watch.start_soon(vmm_watch)
+                # the console into the sandbox's logs, read to its end when the watch is cancelled
+                watch.start_soon(ConsoleLog(db, sid, m.config.console_path, logs).run)
+                await handle.stop_requested.wait()
+                watch.cancel_scope.cancel()
+            if handle.stop_reason == "vmm_exit":
+                error = f"the VMM exited unexpectedly (status {vm_exit}); see {spec.workdir}/console.log"
+                disk_error = await dataplane.disk_error(sid) if dataplane is not None else None
+                if disk_error is not None:  # the data plane killed it: its disk's server failed
+                    error = disk_error
+                log.warning("sandbox %s failed: %s", sid, error)
     except BaseException as exc:
         if _only_cancelled(exc):
             if handle is not None and not handle.stop_requested.is_set():
@@ -183,26 +245,42 @@ async def run_sandbox(
     finally:
         with trio.CancelScope(shield=True):
             live.pop(sid, None)
-            # keep the console log of a sandbox that failed; remove everything of one that ended
-            shutil.rmtree(spec.workdir if error is None else spec.workdir / "upper", ignore_errors=True)
-            shutil.rmtree(spec.run_dir, ignore_errors=True)
-            reason = handle.stop_reason if handle is not None else spec.operation
-            paused_in = handle.paused_snapshot_id if handle is not None else None
+            # a detached sandbox runs on in the data plane: nothing of it is removed or recorded as ended
+            if handle is None or not handle.detached:
+                # keep the console log of a sandbox that failed; remove everything of one that ended
+                shutil.rmtree(spec.workdir if error is None else spec.workdir / "upper", ignore_errors=True)
+                shutil.rmtree(spec.run_dir, ignore_errors=True)
+                reason = handle.stop_reason if handle is not None else spec.operation
+                paused_in = handle.paused_snapshot_id if handle is not None else None
 
-            def final(s: Session) -> None:
-                repo.release_slot_of(s, sid)
-                sb = s.get(Sandbox, sid)
-                if sb is None:
-                    return
-                _record_end(s, sb, S(sb.state), reason=reason, error=error, paused_in=paused_in,
-                            operation=spec.operation)
+                def final(s: Session) -> None:
+                    repo.release_slot_of(s, sid)
+                    sb = s.get(Sandbox, sid)
+                    if sb is None:
+                        return
+                    _record_end(s, sb, S(sb.state), reason=reason, error=error, paused_in=paused_in,
+                                operation=spec.operation)
 
-            try:
-                await db.run(final)
-            except Exception:
-                log.exception("recording the end of sandbox %s failed", sid)
+                try:
+                    await db.run(final)
+                except Exception:
+                    log.exception("recording the end of sandbox %s failed", sid)
             if handle is not None:
                 handle.done.set()
+
+
+async def _shielded(fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    with trio.CancelScope(shield=True):
+        await fn(*args)
+
+
+async def _take_over(m: Machine, adopt: Adoption, spec: SandboxSpec) -> None:
+    """A taken-over VM runs again: a capture the restart cut may have left its vCPUs stopped and (a pause's
+    quiesce) its filesystem frozen."""
+    if m.vm.state is VmState.PAUSED:
+        await m.vm.resume()
+    if adopt.left_in == S.PAUSING:
+        await thaw_guest(m.slot.address, access_token=spec.access_token, sandbox_id=spec.sandbox_id)
 
 
 async def _init_or_exit(vm: Vm, address: str, spec: SandboxSpec) -> None:

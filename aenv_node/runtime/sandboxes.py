@@ -73,7 +73,8 @@ class SandboxService:
         #: one lock per Idempotency-Key being created: a retry that arrives meanwhile waits for the first
         self._key_locks: dict[str, trio.Lock] = {}
         registry.stopped_hooks.append(self._settle_record)
-        node.drainers.append(self.pause_all)
+        node.drainers.append(self.on_stop)
+        registry.lost_hooks.append(node.request_shutdown)
 
     @property
     def live(self) -> dict[str, SandboxHandle]:
@@ -208,6 +209,15 @@ class SandboxService:
         raise SandboxNotRunning(f"The sandbox {sandbox_id} was not found")
 
     # -- the snapshot operations, admitted ---------------------------------------------------------------
+    async def on_stop(self) -> None:
+        """What a graceful stop does with running sandboxes (``Node.drainers``): with a data plane they keep
+        running there for the node's next run (unless ``node.pause_on_stop``); without one they are paused."""
+        if self.parts.dataplane is not None and (not self.cfg.node.pause_on_stop or self.registry.dataplane_lost.is_set()):
+            # (a lost data plane took the disks: nothing can be paused; the next start settles the sandboxes)
+            self.registry.detach_all()
+            return
+        await self.pause_all()
+
     async def pause_all(self, *, reason: str = "node_stop") -> None:
         """Pause every running sandbox, a few at a time, then wait for their publishes (``Node.drainers``:
         a graceful stop never kills a sandbox). Not admitted by the tracker: it runs while the node drains. A

@@ -57,7 +57,7 @@ from ..state import (
     utcnow,
 )
 from ..state.repository import record_event
-from ..storage import Image, LayerInfo, LayerRef, LayerWriter
+from ..storage import LayerInfo, LayerRef, LayerWriter, LiveDisk
 from ..vmm import CaptureKind, CaptureResult, Vm, VmState, memfile
 from ..vmm.capture_buffer import CaptureBuffer, CaptureBufferPool
 from .errors import StateDiskFull
@@ -120,7 +120,7 @@ async def capture_running(
     *,
     db: Database,
     vm: Vm,
-    image: Image,
+    image: LiveDisk,
     sandbox_id: str,
     source: SnapshotSource,
     kind: SnapshotKind,
@@ -158,6 +158,7 @@ async def capture_running(
             steps["capture_ms"] = (time.monotonic() - tp) * 1000
             crash_point("capture.captured", vmm_pid=vm.pid)
             frozen = await trio.to_thread.run_sync(image.freeze)
+            crash_point("capture.frozen", vmm_pid=vm.pid)
             if keep_running:
                 await vm.resume()
                 resumed = True

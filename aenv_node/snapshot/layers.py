@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from ..state import Layer, LayerKind, SnapshotLayer
 from ..storage import LayerInfo, LayerRef
 
-__all__ = ["layer_digest", "reference_layer", "record_stack", "replace_stack", "stack_of", "ref_of"]
+__all__ = ["layer_digest", "reference_layer", "record_stack", "replace_stack", "stack_of", "ref_of", "ensure_layers"]
 
 
 def layer_digest(info: LayerInfo) -> str:
@@ -46,6 +46,13 @@ def _ensure_layer(s: Session, ref: LayerRef, kind: LayerKind) -> None:
         s.add(Layer(digest=ref.digest, kind=kind, size_bytes=size,
                     local_path=str(ref.path) if ref.path is not None else None, refcount=0))
         s.flush()
+
+
+def ensure_layers(s: Session, refs: Sequence[LayerRef], kind: LayerKind) -> None:
+    """A row for each layer of a live stack that has none (a layer a capture sealed and a restart of the node
+    cut before it committed, now under a sandbox taken over: its row makes it the node's, not an orphan)."""
+    for ref in refs:
+        _ensure_layer(s, ref, kind)
 
 
 def record_stack(s: Session, snapshot_id: str, disk: Sequence[LayerRef], memory: Sequence[str]) -> None:

@@ -47,7 +47,7 @@ from ..state import (
     utcnow,
 )
 from ..state import repository as repo
-from ..storage import Image
+from ..storage import LiveDisk
 from ..storage.repository import Repository
 from ..storage.repository.errors import OwnershipConflict
 from ..vmm import Vm
@@ -75,7 +75,7 @@ class LiveSandbox(Protocol):
     address: str
     access_token: Optional[str]
     vm: Vm
-    image: Image
+    image: LiveDisk
     slot: Slot
     source: SnapshotSource
     env_vars: dict[str, str]

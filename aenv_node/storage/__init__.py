@@ -14,7 +14,7 @@ from .errors import (
     UpperCorrupt,
     UpperFull,
 )
-from .image import Image
+from .image import Image, LiveDisk
 from .importer import import_raw
 from .layer import Extent, LayerInfo, LayerReader, LayerWriter
 from .layer_pool import LayerPool
@@ -30,6 +30,7 @@ __all__ = [
     "FileSource",
     "BytesSource",
     "Image",
+    "LiveDisk",
     "Upper",
     "LayerReader",
     "LayerWriter",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from bisect import bisect_right
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence
 
 from . import layer_format as F
 from .blockdev import check_range
@@ -30,7 +30,7 @@ from .upper import CHUNK_SHIFT, ZEROED, Upper
 if TYPE_CHECKING:
     from .layer_pool import LayerPool
 
-__all__ = ["Image"]
+__all__ = ["Image", "LiveDisk"]
 
 _BLOCK = F.BLOCK
 _MASK = F.BLOCK - 1
@@ -490,3 +490,23 @@ class Image:
     def __repr__(self) -> str:
         g = self._gen
         return f"Image(size={self.size}, layers={len(g.layers)}, upper={g.upper!r})"
+
+
+class _Named(Protocol):
+    @property
+    def digest(self) -> str | None: ...
+
+
+class LiveDisk(Protocol):
+    """What a running sandbox's operations use of its disk: an ``Image`` in this process, or the data plane's
+    ``RemoteDisk`` (``dataplane/client.py``). The layers' digests (hex; None for an upper not sealed yet), the
+    two halves of a live capture's seal, and closing it."""
+
+    @property
+    def layers(self) -> Sequence[_Named]: ...
+
+    def freeze(self) -> Any: ...
+
+    def seal_frozen(self, frozen: Any, layers_dir: str | os.PathLike[str]) -> LayerInfo: ...
+
+    def close(self) -> None: ...

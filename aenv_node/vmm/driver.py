@@ -34,7 +34,7 @@ import trio
 from . import pagemap
 from .errors import UnsupportedOperation, VmmConfigError
 from .memory import MemoryRange
-from .process import proc_cpu_seconds, proc_memory
+from .process import ChildProcess, Spawner, proc_cpu_seconds, proc_memory
 
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
@@ -314,6 +314,11 @@ class Vm(ABC):
             vmm=vmm,
         )
 
+    def detach(self) -> None:
+        """Leave the VMM running when its context exits (a node stopping with its VMMs in the data plane, for
+        its next run to take over): nothing is killed or removed. Only a ``Spawner``'s processes outlive us."""
+        self._proc.detached = True
+
     async def stop(self) -> None:
         """Kill the VMM process now and reap it (the context exit does the same if not done)."""
         await self._proc.kill()
@@ -336,6 +341,11 @@ class VmmDriver(Protocol):
     nbd_client: bool
     #: the kernel image the VMM boots
     kernel_format: KernelFormat
+    #: where VMM processes start (the node's data plane, so they outlive a restart of the node); None: as
+    #: children of this process
+    spawner: Spawner | None
+    #: whether ``attach`` can take over a VM a previous run of the node left running
+    attachable: bool
 
     def boot(self, config: VmConfig) -> AbstractAsyncContextManager[Vm]:
         """Start a VMM process and boot the guest; the VM is running when the context is entered."""
@@ -345,4 +355,11 @@ class VmmDriver(Protocol):
         self, config: VmConfig, snapshot: SnapshotFiles, *, resume: bool = True
     ) -> AbstractAsyncContextManager[Vm]:
         """Start a VMM process from a snapshot, its memory image mapped copy-on-write."""
+        ...
+
+    def attach(self, config: VmConfig, restored_from: SnapshotFiles,
+               proc: ChildProcess) -> AbstractAsyncContextManager[Vm]:
+        """Take over a VM an earlier run of the node restored with ``config`` (the same shape and paths) and
+        left running in ``proc``; owned from here on as a restore's VM is (raises UnsupportedOperation where
+        the driver cannot)."""
         ...

@@ -9,6 +9,10 @@ We do not use PR_SET_PDEATHSIG: Trio spawns processes from a worker thread, and 
 *thread* exits, not the node. VMM processes orphaned by a node crash are the reconciler's job; drivers name
 them (`-name` / `--id`) so it can find them.
 
+A node with a data plane starts its VMMs there (a `Spawner`: the process is the data plane's child, so it
+outlives the node); `adopted_process` takes over one a previous run of the node started. Either way the
+`VmmProcess` here holds something that behaves as a `ChildProcess`.
+
 Also here: the /proc readings every driver's `stats()` needs.
 """
 
@@ -22,6 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import trio
 
@@ -31,14 +36,40 @@ from .seccomp import SeccompFilter, exec_helper
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-class VmmProcess:
-    """A started VMM process. Created only by `vmm_process()`."""
+class ChildProcess(Protocol):
+    """What `VmmProcess` needs of its process: `trio.Process`, or a data plane's child watched by pidfd."""
 
-    def __init__(self, proc: trio.Process, log_path: Path, extra_logs: Sequence[Path] = ()) -> None:
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+class Spawner(Protocol):
+    """Starts a VMM's full command line somewhere else (the node's data plane) and returns its process."""
+
+    async def __call__(self, argv: Sequence[str], *, log_path: Path, stdout_path: Path | None, cwd: Path | None,
+                       key: str) -> ChildProcess: ...
+
+
+class VmmProcess:
+    """A started VMM process. Created only by `vmm_process()` and `adopted_process()`."""
+
+    def __init__(self, proc: ChildProcess, log_path: Path, extra_logs: Sequence[Path] = ()) -> None:
         self._proc = proc
         self.log_path = log_path
         self.extra_logs = tuple(extra_logs)
         self.started_at = time.monotonic()
+        #: set when the node stops and leaves this VMM running for its next run to take over (data plane):
+        #: leaving the owning block then kills nothing and removes nothing
+        self.detached = False
 
     @property
     def pid(self) -> int:
@@ -85,6 +116,9 @@ class VmmProcess:
                 pass
         with trio.CancelScope(shield=True):
             await self._proc.wait()
+        close = getattr(self._proc, "close", None)  # a pidfd to give back
+        if close is not None:
+            close()
 
     async def wait_for_socket(self, path: Path, timeout: float) -> None:
         """Until `path` accepts connections; fails fast if the process exits first."""
@@ -192,6 +226,8 @@ async def vmm_process(
     seccomp: SeccompFilter | None = None,
     stable_links: StableLinks | None = None,
     pid_file: Path | None = None,
+    spawner: Spawner | None = None,
+    key: str = "",
 ) -> AsyncIterator[VmmProcess]:
     """Start `argv` (inside `netns` if given); kill, reap and remove `sockets` on exit.
 
@@ -205,6 +241,8 @@ async def vmm_process(
     `pid_file`: the child writes its pid there before anything else runs; every wrapper execs
     in place, so it is the VMM's pid. Written by the child, not by us after the spawn: a node killed between
     the fork and its own write would leave a VMM nobody recorded. Removed with the process.
+    `spawner`: start the command there (the node's data plane) instead of as our child; `key` names what it
+    runs for (the sandbox or build).
     """
     exe = argv[0]
     if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
@@ -224,12 +262,25 @@ async def vmm_process(
         helper = exec_helper()
         if helper is not None:  # it installs the filter and execs: the pid stays the VMM's
             full_argv = [*seccomp.exec_prefix(helper), *full_argv]
+        elif spawner is not None:
+            raise VmmStartError("this VMM runs under a seccomp filter and is started by the data plane, which "
+                                "needs the aenv-seccomp-exec helper to install it (scripts/setup.sh builds it)")
         else:
             preexec = seccomp.install  # two prctl() calls through pre-built ctypes objects in the child
     if pid_file is not None:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         full_argv = ["/bin/sh", "-c", _PID_SCRIPT, "sh", str(pid_file), *full_argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    proc: ChildProcess
+    if spawner is not None:
+        proc = await spawner(full_argv, log_path=log_path, stdout_path=stdout_path, cwd=cwd, key=key)
+        vp = VmmProcess(proc, log_path, extra_logs)
+        try:
+            yield vp
+        finally:
+            with trio.CancelScope(shield=True):
+                await _end(vp, pid_file, sockets)
+        return
     with open(log_path, "ab") as log_f:
         out_f = open(stdout_path, "wb") if stdout_path is not None else None
         try:
@@ -250,14 +301,42 @@ async def vmm_process(
         yield vp
     finally:
         with trio.CancelScope(shield=True):
-            await vp.kill()
-            if pid_file is not None:
-                pid_file.unlink(missing_ok=True)
-            for s in sockets:
-                try:
-                    s.unlink(missing_ok=True)
-                except OSError:
-                    pass
+            await _end(vp, pid_file, sockets)
+
+
+@asynccontextmanager
+async def adopted_process(
+    proc: ChildProcess,
+    *,
+    log_path: Path,
+    sockets: Sequence[Path] = (),
+    extra_logs: Sequence[Path] = (),
+    pid_file: Path | None = None,
+) -> AsyncIterator[VmmProcess]:
+    """A VMM an earlier run of the node started (found by what it recorded), owned from here on exactly as
+    `vmm_process` owns the ones it starts: killed, reaped and its sockets removed however the block is left."""
+    vp = VmmProcess(proc, log_path, extra_logs)
+    try:
+        yield vp
+    finally:
+        with trio.CancelScope(shield=True):
+            await _end(vp, pid_file, sockets)
+
+
+async def _end(vp: VmmProcess, pid_file: Path | None, sockets: Sequence[Path]) -> None:
+    if vp.detached:
+        close = getattr(vp._proc, "close", None)
+        if close is not None:
+            close()
+        return
+    await vp.kill()
+    if pid_file is not None:
+        pid_file.unlink(missing_ok=True)
+    for s in sockets:
+        try:
+            s.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 # ---- /proc readings ------------------------------------------------------------------------------------

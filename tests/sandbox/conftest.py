@@ -99,6 +99,7 @@ def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
             [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
+    _STATE_OF[proc.pid] = state
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -135,16 +136,24 @@ def processes_mentioning(needle: str) -> list[int]:
     return found
 
 
-def stop_node(proc: subprocess.Popen) -> None:
-    """SIGTERM (a graceful stop), SIGKILL if it takes over a minute."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+#: the state directory of each node process ``start_node`` started (by pid): ``stop_node`` stops its data plane
+_STATE_OF: dict[int, Path] = {}
+
+
+def stop_node(proc: subprocess.Popen, *, keep_dataplane: bool = False) -> None:
+    """SIGTERM (a graceful stop), SIGKILL if it takes over a minute; then its data plane is stopped too (every
+    sandbox left running in it ends), unless ``keep_dataplane``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    state = _STATE_OF.get(proc.pid)
+    if state is not None and not keep_dataplane:
+        subprocess.run([sys.executable, "-m", "aenv_node.cli.node", "dataplane", "stop"],
+                       env={**os.environ, "AENV_STATE_DIR": str(state)}, capture_output=True, timeout=120)
 
 
 @contextlib.contextmanager

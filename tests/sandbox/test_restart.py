@@ -21,7 +21,9 @@ pytestmark = pytest.mark.vm
 
 
 def _start(state: Path, port: int, pool: str, **extra_env: str) -> NodeProcess:
-    return start_node(state, port=port, pool=pool, AENV_NET_WARM_SLOTS="1", **extra_env)
+    # without a data plane: its running sandboxes die with the node (test_data_plane.py: with one, they do not)
+    return start_node(state, port=port, pool=pool, AENV_NET_WARM_SLOTS="1", AENV_NODE_DATA_PLANE="false",
+                      **extra_env)
 
 
 def test_paused_sandbox_survives_kill_9_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...config import Config
+
 from .base import (
     OWNER_PAUSED,
     OWNER_RUNNING,
@@ -52,6 +54,7 @@ __all__ = [
     "PosixFsRepository",
     "S3Repository",
     "open_repository",
+    "repository_from_config",
     "digest_of_file",
     "layer_key",
     "manifest_key",
@@ -105,3 +108,14 @@ def __getattr__(name: str) -> Any:  # boto3 is imported only when the s3 backend
 
         return S3Repository
     raise AttributeError(name)
+
+
+def repository_from_config(cfg: Config) -> Repository:
+    """The repository the node's ``[storage]`` section names (every process of a node opens it this way)."""
+    st = cfg.storage
+    if st.repository == "s3":
+        conditional = {"auto": None, "true": True, "false": False}[st.s3_conditional_writes]
+        return open_repository("s3", endpoint_url=st.s3_endpoint or None, bucket=st.s3_bucket, region=st.s3_region,
+                               prefix=st.s3_prefix, conditional_writes=conditional,
+                               max_attempts=st.s3_max_attempts)
+    return open_repository("posix_fs", path=str(cfg.repository_path))

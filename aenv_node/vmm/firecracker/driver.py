@@ -28,7 +28,7 @@ import re
 import shutil
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ from ..errors import (
     VmmExited,
     VmmStartError,
 )
-from ..process import StableLinks, VmmProcess, vmm_process
+from ..process import ChildProcess, Spawner, StableLinks, VmmProcess, vmm_process
 from .api import FirecrackerApi
 
 DEFAULT_FIRECRACKER = Path("/opt/aenv/bin/firecracker")
@@ -91,6 +91,7 @@ class FirecrackerDriver:
 
     name = "firecracker"
     nbd_client = False
+    attachable = False  # attach() is not written yet: its sandboxes fall back as after a crash
     kernel_format = KernelFormat.ELF
 
     def __init__(
@@ -109,6 +110,8 @@ class FirecrackerDriver:
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
         self.op_timeout_s = op_timeout_s
+        #: where VMM processes start (the node's data plane), None: as this process's children
+        self.spawner: Spawner | None = None
 
     # ---- process ------------------------------------------------------------------------------------
 
@@ -220,6 +223,8 @@ class FirecrackerDriver:
             extra_logs=[log],
             stable_links=links,
             pid_file=config.pid_file,
+            spawner=self.spawner,
+            key=config.name,
         ) as proc:
             await proc.wait_for_socket(paths.api_socket, self.start_timeout_s)
             api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)
@@ -228,6 +233,11 @@ class FirecrackerDriver:
             finally:
                 with trio.CancelScope(shield=True):
                     await api.aclose()
+
+    def attach(self, config: VmConfig, restored_from: SnapshotFiles,
+               proc: ChildProcess) -> AbstractAsyncContextManager[FirecrackerVm]:
+        raise UnsupportedOperation("a running Firecracker VM cannot be taken over by a restarted node yet: "
+                                   "its sandbox falls back to its last periodic snapshot")
 
     # ---- boot / restore -----------------------------------------------------------------------------
 

@@ -74,7 +74,7 @@ from ..errors import (
     VmmStartError,
     VmmTimeout,
 )
-from ..process import VmmProcess, vmm_process
+from ..process import ChildProcess, Spawner, VmmProcess, adopted_process, vmm_process
 from .qmp import QmpClient
 
 DEFAULT_QEMU = Path("/usr/bin/qemu-system-x86_64")
@@ -98,6 +98,7 @@ class QemuDriver:
 
     name = "qemu"
     nbd_client = True
+    attachable = True
     kernel_format = KernelFormat.BZIMAGE
 
     def __init__(
@@ -123,6 +124,8 @@ class QemuDriver:
         self.tcg_tb_size_mib = tcg_tb_size_mib
         self.start_timeout_s = start_timeout_s
         self.op_timeout_s = op_timeout_s
+        #: where VMM processes start (the node's data plane), None: as this process's children
+        self.spawner: Spawner | None = None
 
     # ---- command line -------------------------------------------------------------------------------
 
@@ -295,6 +298,25 @@ class QemuDriver:
             yield vm
 
     @asynccontextmanager
+    async def attach(self, config: VmConfig, restored_from: SnapshotFiles, proc: ChildProcess) -> AsyncIterator[QemuVm]:
+        """Take over a VM an earlier run of the node restored with ``config`` from ``restored_from`` and left
+        running in ``proc``: its QMP socket is connected again (QEMU serves one client at a time; the dead
+        node's connection is gone) and its run state read. Owned from here on as ``restore`` owns its VM."""
+        async with adopted_process(proc, log_path=config.workdir / "qemu.log", sockets=[config.socket_path],
+                                   pid_file=config.pid_file) as vp:
+            qmp = await QmpClient.connect(config.socket_path)
+            try:
+                vm = QemuVm(self, config, vp, qmp, mem_path=restored_from.memory, shared=False,
+                            restored_from=restored_from,
+                            discard_safe=config.mem_exclusive or (self.cow_discard and config.balloon is not None))
+                status = (await vm._cmd("query-status"))["status"]
+                vm.state = VmState.RUNNING if status == "running" else VmState.PAUSED
+                yield vm
+            finally:
+                with trio.CancelScope(shield=True):
+                    await qmp.aclose()
+
+    @asynccontextmanager
     async def _started(
         self, config: VmConfig, argv: list[str], guard: seccomp.SeccompFilter | None = None
     ) -> AsyncIterator[tuple[VmmProcess, QmpClient]]:
@@ -307,6 +329,8 @@ class QemuDriver:
             cwd=config.workdir,
             seccomp=guard,
             pid_file=config.pid_file,
+            spawner=self.spawner,
+            key=config.name,
         ) as proc:
             await proc.wait_for_socket(sock, self.start_timeout_s)
             try:
