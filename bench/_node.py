@@ -145,6 +145,12 @@ def stop_node(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
         proc.wait()
 
 
+def stop_dataplane(state: Path) -> None:
+    """Stop the data plane of the node on ``state`` (``node.data_plane``: it outlives the node), if one runs."""
+    subprocess.run([sys.executable, "-m", "aenv_node.cli.node", "dataplane", "stop"], cwd=str(ROOT),
+                   env={**os.environ, "AENV_STATE_DIR": str(state)}, capture_output=True, timeout=120)
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """While inside: SIGTERM to the bench is turned into SIGINT, so it ends like a ^C and every `finally`
@@ -232,6 +238,7 @@ def run_node(
     finally:
         if proc is not None:
             stop_node(proc)
+        stop_dataplane(state)  # with every sandbox it still runs (a stop leaves them running)
         pool.close()  # the node and its slots are gone: the /16 is free again
         if not keep_state:
             shutil.rmtree(state, ignore_errors=True)

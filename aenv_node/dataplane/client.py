@@ -28,6 +28,7 @@ import trio
 
 from ..storage import LayerInfo, LayerRef
 from ..storage.frontends import DiskFrontend
+from ..vmm.seccomp import SeccompFilter
 from .wire import DataPlaneError, DataPlaneUnavailable, call, call_blocking
 
 __all__ = ["DataPlaneClient", "RemoteDisk", "RemoteProcess", "HeldDisk"]
@@ -243,10 +244,11 @@ class DataPlaneClient:
     # ---- VMM processes ---------------------------------------------------------------------------------
 
     async def spawn(self, argv: Sequence[str], *, log_path: Path, stdout_path: Optional[Path], cwd: Optional[Path],
-                    key: str) -> RemoteProcess:
+                    key: str, seccomp: Optional[SeccompFilter] = None) -> RemoteProcess:
         """Start ``argv`` as the data plane's child (the ``vmm.process.Spawner`` of a node with a data plane)."""
         pid = await self.call("vmm.spawn", argv=list(argv), log_path=str(log_path), key=key,
-                              stdout_path=str(stdout_path) if stdout_path else None, cwd=str(cwd) if cwd else None)
+                              stdout_path=str(stdout_path) if stdout_path else None, cwd=str(cwd) if cwd else None,
+                              seccomp=[seccomp.name, seccomp.program.hex()] if seccomp is not None else None)
         return RemoteProcess(self, int(pid))
 
     def adopt(self, pid: int) -> RemoteProcess:

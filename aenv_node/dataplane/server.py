@@ -37,6 +37,7 @@ import trio
 
 from ..storage import Image, LayerRef, LayerSourceProvider, open_image
 from ..storage.frontends import DiskFrontend, FrontendKind, export_disk
+from ..vmm.seccomp import SeccompFilter
 from .wire import MAX_LINE, encode_error
 
 __all__ = ["DataPlane", "serve_dataplane"]
@@ -180,28 +181,40 @@ class DataPlane:
             async with export_disk(frontend, disk.image, disk.run_dir) as exported:
                 task_status.started(exported.source)
                 started = True
-                await disk.closing.wait()
+                try:
+                    await disk.closing.wait()
+                finally:
+                    if not disk.closing.is_set():
+                        # the frontend failed (its own task cancelled this wait): the guest has no disk any
+                        # more, and its VMM goes first, before the frontend is taken down (a ublk device is
+                        # only deleted once nothing holds it open)
+                        self._kill_vmms_of(disk.sandbox_id)
         except Exception as exc:
             if not started:
                 raise  # the open fails with it
             # this sandbox's alone: its guest has no disk any more, so its VMM goes; every other disk serves on
-            error = f"{type(exc).__name__}: {exc}"
+            leaf: BaseException = exc
+            while isinstance(leaf, BaseExceptionGroup):  # the frontend's own tasks raise in groups
+                leaf = leaf.exceptions[0]
+            error = f"{type(leaf).__name__}: {leaf}"
             log.warning("the disk server of %s failed: %s", disk.sandbox_id, error)
             self.disk_errors[disk.sandbox_id] = error
             while len(self.disk_errors) > _KEEP_EXITED:
                 self.disk_errors.popitem(last=False)
-            for child in list(self.children.values()):
-                if child.key == f"aenv-{disk.sandbox_id}":
-                    try:
-                        child.proc.send_signal(signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(disk.image.close)
                 if self.disks.get(disk.sandbox_id) is disk:
                     del self.disks[disk.sandbox_id]
                 disk.closed.set()
+
+    def _kill_vmms_of(self, sandbox_id: str) -> None:
+        for child in list(self.children.values()):
+            if child.key == f"aenv-{sandbox_id}":
+                try:
+                    child.proc.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     async def disk_freeze(self, sandbox_id: str) -> int:
         disk = self._disk(sandbox_id)
@@ -247,14 +260,17 @@ class DataPlane:
                  "frozen": len(d.frozen)} for d in self.disks.values()]
 
     async def vmm_spawn(self, argv: list[str], log_path: str, key: str, stdout_path: Optional[str] = None,
-                        cwd: Optional[str] = None) -> int:
+                        cwd: Optional[str] = None, seccomp: Optional[list[str]] = None) -> int:
+        """Start ``argv``; ``seccomp`` ([name, program in hex]): installed in the child before it execs (where
+        the node has no ``aenv-seccomp-exec`` helper to put in ``argv``)."""
         assert self._nursery is not None
+        preexec = SeccompFilter(seccomp[0], bytes.fromhex(seccomp[1])).install if seccomp else None
         with open(log_path, "ab") as log_f:
             out_f = open(stdout_path, "wb") if stdout_path else None
             try:
                 proc = await trio.lowlevel.open_process(
                     argv, stdin=subprocess.DEVNULL, stdout=out_f if out_f is not None else log_f, stderr=log_f,
-                    cwd=cwd, start_new_session=True)
+                    cwd=cwd, start_new_session=True, preexec_fn=preexec)
             finally:
                 if out_f is not None:
                     out_f.close()

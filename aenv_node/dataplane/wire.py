@@ -64,6 +64,15 @@ def _decode(line: bytes) -> Any:
     raise DataPlaneError(str(err.get("type", "Error")), str(err.get("message", "")))
 
 
+def _take(buf: bytearray, chunk: bytes, op: str) -> None:
+    """Add a chunk of the answer to ``buf`` (none: the data plane went away in the middle of the call)."""
+    if not chunk:
+        raise DataPlaneUnavailable(f"the data plane closed the connection during {op}")
+    buf += chunk
+    if len(buf) > MAX_LINE:
+        raise DataPlaneError("ProtocolError", "answer too long")
+
+
 def _request(op: str, args: dict[str, Any]) -> bytes:
     return json.dumps({"op": op, "args": args}).encode() + b"\n"
 
@@ -78,12 +87,7 @@ async def call(sock: Path, op: str, **args: Any) -> Any:
         await stream.send_all(_request(op, args))
         buf = bytearray()
         while not buf.endswith(b"\n"):
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                raise DataPlaneUnavailable(f"the data plane closed the connection during {op}")
-            buf += chunk
-            if len(buf) > MAX_LINE:
-                raise DataPlaneError("ProtocolError", "answer too long")
+            _take(buf, await stream.receive_some(65536), op)
     return _decode(bytes(buf))
 
 
@@ -97,10 +101,5 @@ def call_blocking(sock: Path, op: str, **args: Any) -> Any:
         s.sendall(_request(op, args))
         buf = bytearray()
         while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                raise DataPlaneUnavailable(f"the data plane closed the connection during {op}")
-            buf += chunk
-            if len(buf) > MAX_LINE:
-                raise DataPlaneError("ProtocolError", "answer too long")
+            _take(buf, s.recv(65536), op)
     return _decode(bytes(buf))

@@ -347,9 +347,15 @@ class SnapshotOperations:
         async with handle.op_lock, self.gc.pin():
             if handle.done.is_set():
                 raise SandboxConflict(f"sandbox {sandbox_id} stopped meanwhile")
-            await self.db.run(lambda s: repo.transition(s, sandbox_id, S.PAUSING, operation=reason,
-                                                        expect=[S.RUNNING]))
-            handle.pausing = True  # traffic and resumes from now on wait for this pause (wait_out_pause)
+            # traffic and resumes from now on wait for this pause (wait_out_pause): set before the PAUSING
+            # transition commits, so nothing that sees the sandbox pausing can reach its guest first
+            handle.pausing = True
+            try:
+                await self.db.run(lambda s: repo.transition(s, sandbox_id, S.PAUSING, operation=reason,
+                                                            expect=[S.RUNNING]))
+            except BaseException:
+                handle.pausing = False
+                raise
             private = await self.db.run(SnapshotStore.memory_is_private, sandbox_id, handle.source.snapshot_id)
             # ``snapshot.quiesce``: the guest's filesystem synced and frozen, so the sealed layer holds every
             # acknowledged write; the guest stops frozen and the /init of its resume thaws it

@@ -53,10 +53,11 @@ class ChildProcess(Protocol):
 
 
 class Spawner(Protocol):
-    """Starts a VMM's full command line somewhere else (the node's data plane) and returns its process."""
+    """Starts a VMM's full command line somewhere else (the node's data plane) and returns its process;
+    ``seccomp``: a filter to install in the child between fork and exec there (no helper to do it)."""
 
     async def __call__(self, argv: Sequence[str], *, log_path: Path, stdout_path: Path | None, cwd: Path | None,
-                       key: str) -> ChildProcess: ...
+                       key: str, seccomp: SeccompFilter | None = None) -> ChildProcess: ...
 
 
 class VmmProcess:
@@ -262,9 +263,6 @@ async def vmm_process(
         helper = exec_helper()
         if helper is not None:  # it installs the filter and execs: the pid stays the VMM's
             full_argv = [*seccomp.exec_prefix(helper), *full_argv]
-        elif spawner is not None:
-            raise VmmStartError("this VMM runs under a seccomp filter and is started by the data plane, which "
-                                "needs the aenv-seccomp-exec helper to install it (scripts/setup.sh builds it)")
         else:
             preexec = seccomp.install  # two prctl() calls through pre-built ctypes objects in the child
     if pid_file is not None:
@@ -273,35 +271,27 @@ async def vmm_process(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc: ChildProcess
     if spawner is not None:
-        proc = await spawner(full_argv, log_path=log_path, stdout_path=stdout_path, cwd=cwd, key=key)
-        vp = VmmProcess(proc, log_path, extra_logs)
-        try:
-            yield vp
-        finally:
-            with trio.CancelScope(shield=True):
-                await _end(vp, pid_file, sockets)
-        return
-    with open(log_path, "ab") as log_f:
-        out_f = open(stdout_path, "wb") if stdout_path is not None else None
-        try:
-            proc = await trio.lowlevel.open_process(
-                full_argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out_f if out_f is not None else log_f,
-                stderr=log_f,
-                cwd=str(cwd) if cwd else None,
-                start_new_session=True,  # a ^C to the node must not reach VMMs before we clean up
-                preexec_fn=preexec,
-            )
-        finally:
-            if out_f is not None:
-                out_f.close()
-    vp = VmmProcess(proc, log_path, extra_logs)
-    try:
+        proc = await spawner(full_argv, log_path=log_path, stdout_path=stdout_path, cwd=cwd, key=key,
+                             seccomp=seccomp if preexec is not None else None)
+    else:
+        with open(log_path, "ab") as log_f:
+            out_f = open(stdout_path, "wb") if stdout_path is not None else None
+            try:
+                proc = await trio.lowlevel.open_process(
+                    full_argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_f if out_f is not None else log_f,
+                    stderr=log_f,
+                    cwd=str(cwd) if cwd else None,
+                    start_new_session=True,  # a ^C to the node must not reach VMMs before we clean up
+                    preexec_fn=preexec,
+                )
+            finally:
+                if out_f is not None:
+                    out_f.close()
+    async with adopted_process(proc, log_path=log_path, sockets=sockets, extra_logs=extra_logs,
+                               pid_file=pid_file) as vp:
         yield vp
-    finally:
-        with trio.CancelScope(shield=True):
-            await _end(vp, pid_file, sockets)
 
 
 @asynccontextmanager
@@ -313,8 +303,9 @@ async def adopted_process(
     extra_logs: Sequence[Path] = (),
     pid_file: Path | None = None,
 ) -> AsyncIterator[VmmProcess]:
-    """A VMM an earlier run of the node started (found by what it recorded), owned from here on exactly as
-    `vmm_process` owns the ones it starts: killed, reaped and its sockets removed however the block is left."""
+    """A VMM process started (``vmm_process``) or found (one an earlier run of the node started, found by what
+    it recorded), owned from here on: killed, reaped and its sockets and pid file removed however the block is
+    left, unless it was detached."""
     vp = VmmProcess(proc, log_path, extra_logs)
     try:
         yield vp

@@ -55,7 +55,7 @@ def test_a_dead_ublk_disk_takes_down_only_its_sandbox(host: vm.KvmHost) -> None:
         deadline = time.monotonic() + 60
         while (row := host.sql(f"SELECT state, error FROM sandboxes WHERE id = '{a.sandbox_id}'")[0])["state"] \
                 != "error":
-            assert time.monotonic() < deadline, f"sandbox A did not end: {row}"
+            assert time.monotonic() < deadline, f"sandbox A did not end: {row}\n{host.dataplane_log()}"
             time.sleep(1)
         assert "UblkError" in row["error"] and "ended under its server" in row["error"], row
         assert f"sandbox {a.sandbox_id} failed: UblkError" in host.node_log()

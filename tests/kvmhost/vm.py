@@ -114,6 +114,10 @@ class KvmHost:
         """The VM's console: boot messages, then the node's log lines (prefixed ``node: ``)."""
         return Path(self.console).read_text(errors="replace") if Path(self.console).exists() else ""
 
+    def dataplane_log(self) -> str:
+        """The log of the node's data plane (a file in the VM: it is not on the console)."""
+        return self.sh("tail -c 4000 /var/lib/aenv/logs/dataplane.log 2>&1")
+
 
 def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)

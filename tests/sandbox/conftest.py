@@ -75,7 +75,7 @@ def _wait_template(node: NodeProcess, template: str = "base", timeout: float = 9
 
 
 def start_node(state: Path, *, port: int | None = None, pool: str | None = None, wait_template: bool = True,
-               **extra_env: str) -> NodeProcess:
+               args: tuple[str, ...] = (), **extra_env: str) -> NodeProcess:
     """Start ``aenv-node serve`` on ``state`` and wait until it answers and (unless ``wait_template`` is
     False) its base template is ready."""
     state.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
     log_path = state / f"node-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}"],
+            [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}", *args],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     _STATE_OF[proc.pid] = state

@@ -16,6 +16,7 @@ one crash after another.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import httpx
 import pytest
@@ -57,9 +58,9 @@ class Rig:
     #: the cells a data plane changes
     data_plane = "false"
 
-    def start(self, **env: str) -> NodeProcess:
+    def start(self, args: tuple[str, ...] = (), **env: str) -> NodeProcess:
         assert self.node is None or self.node.proc.poll() is not None
-        self.node = start_node(self.state, port=self.port, pool=self.pool, AENV_NET_WARM_SLOTS="1",
+        self.node = start_node(self.state, port=self.port, pool=self.pool, args=args, AENV_NET_WARM_SLOTS="1",
                                AENV_NODE_DATA_PLANE=self.data_plane,
                                AENV_SNAPSHOT_GC_ORPHAN_GRACE_S="0",
                                # the repository's collector (which also sweeps uploads a crash cut) runs
@@ -87,23 +88,34 @@ class Rig:
         return build_config(None, self.state).run_dir
 
 
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
-    state = Path("/var/tmp") / f"aenv-crash-{os.getpid()}-{random.randrange(10**6)}"
-    r = Rig(state, free_port(), free_pool_cidr())
+R = TypeVar("R", bound=Rig)
+
+
+@contextlib.contextmanager
+def open_rig(cls: type[R], prefix: str) -> Iterator[R]:
+    """A rig on a fresh state directory under /var/tmp; at the end its node (and data plane) stopped, its last
+    log kept as /var/tmp/<prefix>last-node.log, the directory removed and the SDK's environment restored."""
+    state = Path("/var/tmp") / f"{prefix}{os.getpid()}-{random.randrange(10**6)}"
+    r = cls(state, free_port(), free_pool_cidr())
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     try:
         yield r
     finally:
         if r.node is not None:
             stop_node(r.node.proc)
-            shutil.copy(r.node.log_path, "/var/tmp/aenv-crash-last-node.log")
+            shutil.copy(r.node.log_path, f"/var/tmp/{prefix}last-node.log")
         shutil.rmtree(state, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    with open_rig(Rig, "aenv-crash-") as r:
+        yield r
 
 
 # ---- what a cell does before and at its crash ------------------------------------------------------
@@ -315,12 +327,16 @@ def _settled(rig: Rig, before: set[str], sid: Optional[str]) -> tuple[set[str], 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[f"{c.point}-{c.op.__name__ if c.op.__name__ != 'op' else ''}{i}"
                                              for i, c in enumerate(CELLS)])
-def test_crash_point(rig: Rig, cell: Cell) -> None:
+def crash_at(rig: Rig, cell: Cell, after_setup: Optional[Callable[[str], None]] = None) -> tuple[set[str], Optional[str]]:
+    """Start the node armed at the cell's point, set up its sandbox (then ``after_setup(sid)``), run its
+    operation until the node kills itself there; the sandboxes before, and the cell's own."""
     if rig.node is not None:
         stop_node(rig.node.proc)
     node = rig.start(AENV_CRASH_AT=cell.point, **dict(cell.env))
     before = {sid for (sid,) in rig.sql("SELECT id FROM sandboxes")}
     sid = cell.setup(rig) if cell.setup is not None else None
+    if sid is not None and after_setup is not None:
+        after_setup(sid)
     assert node.proc.poll() is None, f"the node died during the cell's set-up:\n{node.log()[-3000:]}"
     worker = threading.Thread(target=cell.op, args=(rig, sid), daemon=True)
     worker.start()
@@ -331,7 +347,11 @@ def test_crash_point(rig: Rig, cell: Cell) -> None:
     worker.join(timeout=120)
     assert node.proc.returncode == -9, node.proc.returncode
     assert f"crash point {cell.point.partition('@')[0]}" in node.log()
+    return before, sid
 
+
+def test_crash_point(rig: Rig, cell: Cell) -> None:
+    before, sid = crash_at(rig, cell)
     rig.start()
     new, mine = _settled(rig, before, sid)
     if cell.expect is not None:

@@ -18,8 +18,6 @@ The invariants after each restart are the crash matrix's (``test_crash_points.ch
 from __future__ import annotations
 
 import os
-import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,9 +33,20 @@ from e2b import Sandbox
 
 from aenv_node.vmm.process import read_pid_file
 
-from ..conftest import free_pool_cidr, free_port
 from .conftest import stop_node
-from .test_crash_points import MARK, Cell, Rig, _create, _eventually, _post, _settled, _wait, check_invariants
+from .test_crash_points import (
+    MARK,
+    Cell,
+    Rig,
+    _create,
+    _eventually,
+    _post,
+    _settled,
+    _wait,
+    check_invariants,
+    crash_at,
+    open_rig,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -56,22 +65,8 @@ class DataPlaneRig(Rig):
 
 @pytest.fixture(scope="module")
 def dp() -> Iterator[DataPlaneRig]:
-    state = Path("/var/tmp") / f"aenv-dataplane-{os.getpid()}-{random.randrange(10**6)}"
-    r = DataPlaneRig(state, free_port(), free_pool_cidr())
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    try:
+    with open_rig(DataPlaneRig, "aenv-dataplane-") as r:
         yield r
-    finally:
-        if r.node is not None:
-            stop_node(r.node.proc)
-        r.dataplane("stop")
-        if not os.environ.get("AENV_TEST_KEEP_STATE"):
-            shutil.rmtree(state, ignore_errors=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _alive(pid: int, sid: str) -> bool:
@@ -111,27 +106,20 @@ def test_control_plane_killed_under_load_keeps_every_running_sandbox(dp: DataPla
                 time.sleep(0.2)
             i += 1
 
-    def snapshots(sid: str) -> None:
+    def posts(path: str, body: dict[str, object], what: str) -> None:
         while not stop.is_set():
             try:
                 with dp.api() as c:
-                    counts[f"snapshot {c.post(f'/sandboxes/{sid}/snapshots', json={}).status_code}"] += 1
+                    counts[f"{what} {c.post(path, json=body).status_code}"] += 1
             except httpx.HTTPError:
-                counts["snapshot failed"] += 1
-                time.sleep(0.2)
-
-    def creates() -> None:
-        while not stop.is_set():
-            try:
-                with dp.api() as c:
-                    counts[f"create {c.post('/sandboxes', json={'templateID': 'base', 'timeout': 900}).status_code}"] += 1
-            except httpx.HTTPError:
-                counts["create failed"] += 1
+                counts[f"{what} failed"] += 1
                 time.sleep(0.2)
 
     workers = [threading.Thread(target=commands, args=(sb,), daemon=True) for sb in sandboxes]
-    workers += [threading.Thread(target=snapshots, args=(sandboxes[0].sandbox_id,), daemon=True),
-                threading.Thread(target=creates, daemon=True)]
+    workers += [threading.Thread(target=posts, args=(f"/sandboxes/{sandboxes[0].sandbox_id}/snapshots", {},
+                                                     "snapshot"), daemon=True),
+                threading.Thread(target=posts, args=("/sandboxes", {"templateID": "base", "timeout": 900}, "create"),
+                                 daemon=True)]
     for w in workers:
         w.start()
     _wait(lambda: counts["command"] >= 30 and counts["snapshot 201"] >= 1 and counts["create 201"] >= 1,
@@ -215,21 +203,8 @@ DP_CELLS = [
 
 @pytest.mark.parametrize("cell", DP_CELLS, ids=[f"{c.point}-{i}" for i, c in enumerate(DP_CELLS)])
 def test_control_plane_killed_inside_an_operation(dp: DataPlaneRig, cell: Cell) -> None:
-    if dp.node is not None:
-        stop_node(dp.node.proc)
-    node = dp.start(AENV_CRASH_AT=cell.point)
-    before = {sid for (sid,) in dp.sql("SELECT id FROM sandboxes")}
-    sid = cell.setup(dp) if cell.setup is not None else None
-    if sid is not None:  # writes the capture must keep: acknowledged before it
-        Sandbox.connect(sid).commands.run("sleep 100000", background=True)
-    worker = threading.Thread(target=cell.op, args=(dp, sid), daemon=True)
-    worker.start()
-    try:
-        node.proc.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"crash point {cell.point} was not reached:\n{node.log()[-3000:]}") from None
-    worker.join(timeout=120)
-    assert f"crash point {cell.point}" in node.log()
+    # with a process that must survive, and writes the capture must keep, acknowledged before it
+    before, sid = crash_at(dp, cell, lambda s: Sandbox.connect(s).commands.run("sleep 100000", background=True))
     dp.start()
     new, mine = _settled(dp, before, sid)
     assert mine is not None
@@ -275,4 +250,25 @@ def test_a_lost_data_plane_stops_the_node_and_the_next_start_settles_its_sandbox
     _eventually(lambda: check_invariants(dp))
     back = Sandbox.connect(kept.sandbox_id, timeout=120)
     assert back.files.read(MARK) == f"written by {kept.sandbox_id}"
+    back.kill()
+
+
+def test_pause_on_stop_pauses_and_publishes_instead(dp: DataPlaneRig) -> None:
+    """``serve --pause-on-stop``: a graceful stop pauses every running sandbox (events ``node_stop``) and
+    closes its disk in the data plane; the next start resumes it with its files and processes."""
+    if dp.node is not None:
+        stop_node(dp.node.proc)
+    node = dp.start(args=("--pause-on-stop",))
+    sb = Sandbox.create(timeout=600)
+    sb.files.write(MARK, f"written by {sb.sandbox_id}")
+    sleeper = sb.commands.run("sleep 100000", background=True).pid
+    stop_node(node.proc, keep_dataplane=True)
+    assert dp.sql(f"SELECT state FROM sandboxes WHERE id = '{sb.sandbox_id}'") == [("paused",)]
+    assert ("node_stop", "pausing") in dp.sql(f"SELECT operation, to_state FROM events WHERE sandbox_id = "
+                                              f"'{sb.sandbox_id}'")
+    assert dp.dataplane("status").stdout.split(":")[1].startswith(" 0 disks, 0 VMMs"), dp.dataplane("status").stdout
+    dp.start()
+    back = Sandbox.connect(sb.sandbox_id, timeout=120)
+    assert back.files.read(MARK) == f"written by {sb.sandbox_id}"
+    assert back.commands.run(f"kill -0 {sleeper} && echo alive").stdout == "alive\n"
     back.kill()
