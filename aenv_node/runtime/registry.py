@@ -45,6 +45,8 @@ class LiveSandboxes:
         self.dataplane_lost = trio.Event()
         self.lost_hooks: list[Callable[[], None]] = []
         self._nursery: Optional[trio.Nursery] = None
+        #: sandboxes left running in the data plane by a stop (``detach_all``)
+        self._detached: set[str] = set()
         parts.live_stacks = self.stacks
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -118,6 +120,7 @@ class LiveSandboxes:
         """Leave every running sandbox running in the data plane when the node stops (``Node.drainers``)."""
         for handle in list(self.live.values()):
             handle.detach()
+            self._detached.add(handle.sandbox_id)
             if self.parts.pool is not None:  # its network stays as it is, for the next run to adopt
                 self.parts.pool.disown(handle.slot)
         if self.live:
@@ -150,7 +153,9 @@ class LiveSandboxes:
                               dataplane=self.parts.dataplane, adopt=adopt, task_status=task_status)
         finally:
             with trio.CancelScope(shield=True):
-                for hook in self.stopped_hooks:
+                # one left running in the data plane did not stop: its repository record stays as it is
+                hooks = [] if spec.sandbox_id in self._detached else self.stopped_hooks
+                for hook in hooks:
                     try:
                         await hook(spec.sandbox_id)
                     except Exception:

@@ -325,8 +325,6 @@ def _settled(rig: Rig, before: set[str], sid: Optional[str]) -> tuple[set[str], 
 # ---- the matrix ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=[f"{c.point}-{c.op.__name__ if c.op.__name__ != 'op' else ''}{i}"
-                                             for i, c in enumerate(CELLS)])
 def crash_at(rig: Rig, cell: Cell, after_setup: Optional[Callable[[str], None]] = None) -> tuple[set[str], Optional[str]]:
     """Start the node armed at the cell's point, set up its sandbox (then ``after_setup(sid)``), run its
     operation until the node kills itself there; the sandboxes before, and the cell's own."""
@@ -350,6 +348,8 @@ def crash_at(rig: Rig, cell: Cell, after_setup: Optional[Callable[[str], None]] 
     return before, sid
 
 
+@pytest.mark.parametrize("cell", CELLS, ids=[f"{c.point}-{c.op.__name__ if c.op.__name__ != 'op' else ''}{i}"
+                                             for i, c in enumerate(CELLS)])
 def test_crash_point(rig: Rig, cell: Cell) -> None:
     before, sid = crash_at(rig, cell)
     rig.start()
