@@ -163,8 +163,9 @@ async def test_outer_cancellation_still_records_stop(node_config) -> None:
 
 
 def _serve(state_dir: Path, port: int) -> subprocess.Popen:
+    # no data plane: these nodes hold no sandbox, and a data plane would outlive the test (it outlives its node)
     env = {**os.environ, "AENV_STATE_DIR": str(state_dir), "AENV_NET_POOL_CIDR": free_pool_cidr(),
-           "AENV_NET_EGRESS": "false", "AENV_IMAGES_CACHE_DIR": "/var/lib/aenv"}
+           "AENV_NET_EGRESS": "false", "AENV_IMAGES_CACHE_DIR": "/var/lib/aenv", "AENV_NODE_DATA_PLANE": "false"}
     return subprocess.Popen(
         [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
