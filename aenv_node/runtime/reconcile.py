@@ -103,22 +103,17 @@ def _pause_snapshot_of_this_pause(s: Session, sandbox_id: str) -> Optional[str]:
         .order_by(Snapshot.created_at.desc()).limit(1))
 
 
-def _adoptable(s: Session, sandbox_id: str) -> Optional[SandboxState]:
-    """The state a sandbox was left in, if it is one a take-over continues from (None: settle it)."""
+def _adoptable(s: Session, sandbox_id: str) -> Optional[tuple[SandboxState, int, str]]:
+    """The state a sandbox was left in, its slot and the snapshot it runs from, if a take-over continues from
+    that state (None: settle it)."""
     sb = s.get(Sandbox, sandbox_id)
-    if sb is None:
+    if sb is None or sb.slot_index is None or sb.snapshot_id is None:
         return None
     state = SandboxState(sb.state)
-    if state in (S.RUNNING, S.SNAPSHOTTING, S.FORKING):
-        return state
-    if state == S.PAUSING and _pause_snapshot_of_this_pause(s, sandbox_id) is None:
-        return state  # the pause committed nothing: the sandbox runs on
+    if state in (S.RUNNING, S.SNAPSHOTTING, S.FORKING) or (
+            state == S.PAUSING and _pause_snapshot_of_this_pause(s, sandbox_id) is None):  # it committed nothing
+        return state, sb.slot_index, sb.snapshot_id
     return None
-
-
-def _slot_and_snapshot(s: Session, sandbox_id: str) -> tuple[Optional[int], Optional[str]]:
-    sb = s.get(Sandbox, sandbox_id)
-    return (sb.slot_index, sb.snapshot_id) if sb is not None else (None, None)
 
 
 def _settle_rows(s: Session, adopted: dict[str, Adoption]) -> list[tuple[str, str]]:
@@ -166,9 +161,7 @@ def _settle_rows(s: Session, adopted: dict[str, Adoption]) -> list[tuple[str, st
             repo.transition(s, sb.id, S.KILLING, operation="reconcile")
         repo.transition(s, sb.id, S.KILLED, operation="reconcile", vmm_pid=None, slot_index=None,
                         detail={"reason": "the node restarted; its VMM did not survive"})
-    s.execute(delete(NetworkSlot).where(NetworkSlot.slot_index.not_in(
-        [sb.slot_index for sb in s.scalars(select(Sandbox).where(Sandbox.id.in_(list(adopted))))
-         if sb.slot_index is not None])))
+    s.execute(delete(NetworkSlot).where(NetworkSlot.slot_index.not_in([a.slot.index for a in adopted.values()])))
     return republish
 
 
@@ -244,10 +237,10 @@ class Reconciler:
             pid = read_pid_file(p.cfg.run_dir / sid / "vmm.pid")
             if sid not in held or pid is None or children.get(pid) != f"aenv-{sid}" or not _is_our_vmm(pid, sid):
                 continue
-            state = await p.db.run(_adoptable, sid)
-            slot_index, snapshot_id = await p.db.run(_slot_and_snapshot, sid)
-            if state is None or slot_index is None or snapshot_id is None:
+            left = await p.db.run(_adoptable, sid)
+            if left is None:
                 continue
+            state, slot_index, snapshot_id = left
             # an upper a cut capture froze is sealed into a layer: the stack the guest sees, as it is
             disk = await p.dataplane.recover_disk(sid, p.cfg.layers_dir)
             out[sid] = Adoption(vmm_pid=pid, slot=p.netcfg.slot(slot_index), left_in=state, disk_source=disk.source,
