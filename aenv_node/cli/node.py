@@ -123,8 +123,9 @@ def dataplane_run(cfg: Config) -> None:
 
     async def main_task() -> None:
         repository = repository_from_config(cfg)
-        # its own cache directory: the control plane's cache is another process's, with its own bookkeeping
-        cache = LayerCache(cfg.state_dir / "cache-dataplane", repository, capacity_bytes=st.cache_capacity_bytes,
+        # its own cache directory beside the control plane's (that one is another process's, with its own
+        # bookkeeping): ``<storage.cache_dir>-dataplane``
+        cache = LayerCache(cfg.cache_dir.with_name(cfg.cache_dir.name + "-dataplane"), repository, capacity_bytes=st.cache_capacity_bytes,
                            high_watermark=st.cache_high_watermark, low_watermark=st.cache_low_watermark)
         try:
             async with trio.open_nursery() as nursery:

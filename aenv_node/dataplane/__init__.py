@@ -6,7 +6,7 @@ serves; ``wire`` is the one-line JSON call between the two."""
 
 from .client import DataPlaneClient, HeldDisk, RemoteDisk, RemoteProcess
 from .server import DataPlane, serve_dataplane
-from .wire import DataPlaneError, DataPlaneUnavailable
+from .wire import DataPlaneError, DataPlaneUnavailable, vmm_key
 
 __all__ = [
     "DataPlane",
@@ -17,4 +17,5 @@ __all__ = [
     "RemoteDisk",
     "RemoteProcess",
     "serve_dataplane",
+    "vmm_key",
 ]

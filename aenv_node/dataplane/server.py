@@ -38,7 +38,7 @@ import trio
 from ..storage import Image, LayerRef, LayerSourceProvider, open_image
 from ..storage.frontends import DiskFrontend, FrontendKind, export_disk
 from ..vmm.seccomp import SeccompFilter
-from .wire import MAX_LINE, encode_error
+from .wire import MAX_LINE, encode_error, vmm_key
 
 __all__ = ["DataPlane", "serve_dataplane"]
 
@@ -72,6 +72,13 @@ class _Child:
     key: str
     proc: trio.Process
     returncode: Optional[int] = None
+
+
+def _kill(child: _Child) -> None:
+    try:
+        child.proc.send_signal(signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 class DataPlane:
@@ -137,10 +144,7 @@ class DataPlane:
 
     async def _teardown(self) -> None:
         for child in list(self.children.values()):
-            try:
-                child.proc.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(child)
             await child.proc.wait()
         for disk in list(self.disks.values()):
             disk.closing.set()
@@ -210,11 +214,8 @@ class DataPlane:
 
     def _kill_vmms_of(self, sandbox_id: str) -> None:
         for child in list(self.children.values()):
-            if child.key == f"aenv-{sandbox_id}":
-                try:
-                    child.proc.send_signal(signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if child.key == vmm_key(sandbox_id):
+                _kill(child)
 
     async def disk_freeze(self, sandbox_id: str) -> int:
         disk = self._disk(sandbox_id)

@@ -21,10 +21,16 @@ from typing import Any
 
 import trio
 
-__all__ = ["DataPlaneError", "DataPlaneUnavailable", "call", "call_blocking", "encode_error", "MAX_LINE"]
+__all__ = ["DataPlaneError", "DataPlaneUnavailable", "call", "call_blocking", "encode_error", "vmm_key", "MAX_LINE"]
 
 #: the longest line either side accepts (a layer stack of a few hundred layers fits many times over)
 MAX_LINE = 4 << 20
+
+
+def vmm_key(sandbox_id: str) -> str:
+    """The key a sandbox's VMM is spawned under: how the data plane finds the VMM a failed disk leaves without a
+    guest disk, and how a take-over checks that a recorded pid is still that sandbox's VMM."""
+    return f"aenv-{sandbox_id}"
 
 
 class DataPlaneError(Exception):

@@ -43,6 +43,7 @@ from typing import Optional
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from ..dataplane import vmm_key
 from ..net import remove_orphans
 from ..snapshot.operations import SnapshotOperations
 from ..snapshot.layers import ensure_layers
@@ -235,7 +236,7 @@ class Reconciler:
         out: dict[str, Adoption] = {}
         for sid, _ in found:
             pid = read_pid_file(p.cfg.run_dir / sid / "vmm.pid")
-            if sid not in held or pid is None or children.get(pid) != f"aenv-{sid}" or not _is_our_vmm(pid, sid):
+            if sid not in held or pid is None or children.get(pid) != vmm_key(sid) or not _is_our_vmm(pid, sid):
                 continue
             left = await p.db.run(_adoptable, sid)
             if left is None:

@@ -31,7 +31,7 @@ import trio
 from sqlalchemy.orm import Session
 
 from ..config import LogsSection
-from ..dataplane import DataPlaneClient
+from ..dataplane import DataPlaneClient, vmm_key
 from ..faults import crash_point
 from ..net import EgressPolicy, Slot, SlotPool
 from ..snapshot.envd import init_envd, thaw_guest
@@ -167,7 +167,7 @@ async def run_sandbox(
                 m = await stack.enter_async_context(attach_machine(
                     driver, src.shape, disk_source=remote.source, slot=slot, workdir=spec.workdir,
                     run_dir=spec.run_dir, restored_from=src.files, proc=dataplane.adopt(adopt.vmm_pid),
-                    name=f"aenv-{sid}"))
+                    name=vmm_key(sid)))
                 await _take_over(m, adopt, spec)
                 t_restored = time.monotonic()
             else:
@@ -183,7 +183,7 @@ async def run_sandbox(
                     disk_args = {"disk_source": remote.source}
                 m = await stack.enter_async_context(open_machine(
                     driver, src.shape, slot=slot, workdir=spec.workdir, run_dir=spec.run_dir, snapshot=src.files,
-                    name=f"aenv-{sid}", frontend=frontend, **disk_args))  # type: ignore[arg-type]
+                    name=vmm_key(sid), frontend=frontend, **disk_args))  # type: ignore[arg-type]
                 t_restored = time.monotonic()
                 crash_point("launch.vmm_started", vmm_pid=m.vm.pid)
                 await _init_or_exit(m.vm, slot.address, spec)
