@@ -7,7 +7,10 @@ envd's log records, whatever a root process writes to ``/dev/console``) becomes 
 ``logs.poll_interval_s`` it reads what was appended since the last read (at most ``READ_CHUNK`` bytes a round,
 so a flood is read at a bounded pace) and writes the complete lines in one transaction; when the sandbox stops
 it reads to the end of the file first, so the last lines before a pause or a kill are kept. Each run of a
-sandbox (create, resume, fork) has a new console file, read from its start.
+sandbox (create, resume, fork) has a new console file, read from its start; a run taken over after a restart of
+the node (the VMM still writing the same file) goes on from where the previous reader's last stored line ended,
+which each reader keeps beside the file (``console.log.offset``, written after the lines it covers are
+committed: a crash between the two reads at most one round's lines again, never loses one).
 """
 
 from __future__ import annotations
@@ -60,15 +63,24 @@ def classify(text: str, ts: dt.datetime, previous: Optional[LogLine] = None) -> 
     return LogLine(ts, "info", "console", text)
 
 
+def _stored_offset(path: Path) -> int:
+    try:
+        return max(0, int(path.read_text()))
+    except (OSError, ValueError):
+        return 0
+
+
 class ConsoleLog:
     """Follows one console file of one sandbox run and writes its lines to the sandbox's logs."""
 
-    def __init__(self, db: Database, sandbox_id: str, path: Path, limits: LogsSection) -> None:
+    def __init__(self, db: Database, sandbox_id: str, path: Path, limits: LogsSection, *,
+                 taken_over: bool = False) -> None:
         self.db = db
         self.sandbox_id = sandbox_id
         self.path = path
         self.limits = limits
-        self.offset = 0
+        self.offset_path = path.with_name(path.name + ".offset")
+        self.offset = _stored_offset(self.offset_path) if taken_over else 0
         self.partial = b""
         self.previous: Optional[LogLine] = None
         self.lines_written = 0
@@ -113,7 +125,15 @@ class ConsoleLog:
         if out:
             await self.db.run(append_lines, self.sandbox_id, out, keep=self.limits.max_lines_per_sandbox)
             self.lines_written += len(out)
+        if chunk:
+            await trio.to_thread.run_sync(self._store_offset, self.offset - len(self.partial))
         return len(chunk)
+
+    def _store_offset(self, offset: int) -> None:
+        try:
+            self.offset_path.write_text(str(offset))
+        except OSError as exc:  # the run directory went (the sandbox ended): nothing to go on from
+            log.debug("sandbox %s: storing the console offset failed: %s", self.sandbox_id, exc)
 
     def _read_chunk(self) -> bytes:
         try:

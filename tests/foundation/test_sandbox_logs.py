@@ -127,6 +127,25 @@ def test_the_console_reader_stores_whole_lines_and_reads_to_the_end_when_stopped
     assert reader.lines_written == 5
 
 
+def test_a_run_taken_over_reads_on_from_the_last_stored_line(db: Database, tmp_path: Path) -> None:
+    """A node killed mid-run left a reader that stored some lines; the next node's reader of the same VMM's
+    console (a take-over) stores the rest once, and a new run of the sandbox reads its console from the start."""
+    console = tmp_path / "console.log"
+    limits = LogsSection(max_lines_per_sandbox=100, max_line_chars=80, poll_interval_s=0.05)
+    console.write_bytes(b"one\ntwo\npart")
+    killed = ConsoleLog(db, "sb1", console, limits)
+    trio.run(killed.read_new)  # then the node dies: no final read
+    with open(console, "ab") as f:
+        f.write(b"ial\nthree\n")
+    trio.run(ConsoleLog(db, "sb1", console, limits, taken_over=True).read_new)
+    console.write_bytes(b"new run\n")  # a resume: a new console file, the old offset meaningless
+    trio.run(ConsoleLog(db, "sb2", console, limits).read_new)
+    with db.session() as s:
+        assert [r.message for r in read_lines(s, "sb1", cursor=None, forward=True, limit=100)] == [
+            "one", "two", "partial", "three"]
+        assert [r.message for r in read_lines(s, "sb2", cursor=None, forward=True, limit=100)] == ["new run"]
+
+
 async def test_the_routes_answer_in_e2b_shapes_and_refuse_bad_queries(live_node: LiveNode) -> None:
     def seed(s: Session) -> None:
         repo.insert_sandbox(s, Sandbox(id="sb1", template_id="base"))
