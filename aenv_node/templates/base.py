@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 def base_template_current(s: Session, template_id: str, kit: Kit, rootfs: Path, machine: BuildMachine
                           ) -> Optional[str]:
-    """The template's boot snapshot if it was built from this kit, root filesystem and machine, else None."""
+    """The template's boot snapshot if it was built from this kit, root filesystem and machine (its VMM too: a
+    node whose ``vmm.kind`` changed cannot restore the other VMM's snapshot, even of the same kernel), else
+    None."""
     t = s.get(Template, template_id)
     if t is None or t.status != BuildStatus.READY or t.boot_snapshot_id is None:
         return None
@@ -31,7 +33,7 @@ def base_template_current(s: Session, template_id: str, kit: Kit, rootfs: Path, 
     if sn is None or sn.config is None:
         return None
     shape = sn.config.shape
-    if shape.kernel != str(machine.kernel(kit)) or shape.tools_img != str(kit.tools_img) \
+    if sn.vmm != machine.driver.name or shape.kernel != str(machine.kernel(kit)) or shape.tools_img != str(kit.tools_img) \
             or shape.accel != machine.accel.value or shape.free_page_reporting != machine.free_page_reporting \
             or sn.config.rootfs != str(rootfs):
         return None

@@ -25,11 +25,20 @@ if grep -qw kvmhost.shell=1 /proc/cmdline; then
     (while true; do busybox nc -l -p 2222 -e /bin/bash; done) >/dev/null 2>&1 &
     echo "kvmhost: debug shell on :2222"
 fi
-echo "kvmhost: starting aenv-node"
-AENV_CONFIG=/var/lib/aenv/config.toml /usr/local/bin/aenv-node serve \
-    > >(tee -a /var/lib/aenv/node.log | sed -u 's/^/node: /' > /dev/console) 2>&1 &
-node=$!
-echo "KVMHOST-NODE-PID $node"
-while kill -0 "$node" 2>/dev/null; do wait "$node"; done
+export AENV_CONFIG=/var/lib/aenv/config.toml
+while true; do
+    echo "kvmhost: starting aenv-node"
+    /usr/local/bin/aenv-node serve > >(tee -a /var/lib/aenv/node.log | sed -u 's/^/node: /' > /dev/console) 2>&1 &
+    node=$!
+    echo "$node" > /run/kvmhost-node.pid
+    echo "KVMHOST-NODE-PID $node"
+    while kill -0 "$node" 2>/dev/null; do wait "$node"; done
+    # a restart asked for by the host (vm.py switch_vmm: a new config): the data plane goes too, so that the
+    # next node starts one with the new config; otherwise the VM powers off with its node
+    [ -e /var/lib/aenv/restart ] || break
+    rm -f /var/lib/aenv/restart
+    /usr/local/bin/aenv-node dataplane stop 2>&1 | sed 's/^/kvmhost: /'
+    echo "KVMHOST-NODE-RESTART"
+done
 echo "KVMHOST-NODE-EXITED"
 umount /var/lib/aenv; off
