@@ -229,8 +229,6 @@ class Reconciler:
             return {}
         await p.dataplane.ensure_running(env=p.cfg.as_environment(), log_path=p.cfg.state_dir / "logs" /
                                          "dataplane.log")
-        if not p.driver.attachable:
-            return {}
         held = {d.sandbox_id for d in await p.dataplane.held_disks()}
         children = await p.dataplane.children()
         out: dict[str, Adoption] = {}

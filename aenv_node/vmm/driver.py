@@ -344,8 +344,6 @@ class VmmDriver(Protocol):
     #: where VMM processes start (the node's data plane, so they outlive a restart of the node); None: as
     #: children of this process
     spawner: Spawner | None
-    #: whether ``attach`` can take over a VM a previous run of the node left running
-    attachable: bool
 
     def boot(self, config: VmConfig) -> AbstractAsyncContextManager[Vm]:
         """Start a VMM process and boot the guest; the VM is running when the context is entered."""
@@ -360,6 +358,5 @@ class VmmDriver(Protocol):
     def attach(self, config: VmConfig, restored_from: SnapshotFiles,
                proc: ChildProcess) -> AbstractAsyncContextManager[Vm]:
         """Take over a VM an earlier run of the node restored with ``config`` (the same shape and paths) and
-        left running in ``proc``; owned from here on as a restore's VM is (raises UnsupportedOperation where
-        the driver cannot)."""
+        left running in ``proc``; owned from here on as a restore's VM is."""
         ...

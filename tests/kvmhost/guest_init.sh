@@ -33,11 +33,14 @@ while true; do
     echo "$node" > /run/kvmhost-node.pid
     echo "KVMHOST-NODE-PID $node"
     while kill -0 "$node" 2>/dev/null; do wait "$node"; done
-    # a restart asked for by the host (vm.py switch_vmm: a new config): the data plane goes too, so that the
-    # next node starts one with the new config; otherwise the VM powers off with its node
+    # a restart asked for by the host (vm.py restart_node); otherwise the VM powers off with its node. With
+    # "dataplane" in the marker (switch_vmm: a new config) the data plane goes too, so that the next node
+    # starts one with the new config
     [ -e /var/lib/aenv/restart ] || break
+    if grep -q dataplane /var/lib/aenv/restart; then
+        /usr/local/bin/aenv-node dataplane stop 2>&1 | sed 's/^/kvmhost: /'
+    fi
     rm -f /var/lib/aenv/restart
-    /usr/local/bin/aenv-node dataplane stop 2>&1 | sed 's/^/kvmhost: /'
     echo "KVMHOST-NODE-RESTART"
 done
 echo "KVMHOST-NODE-EXITED"

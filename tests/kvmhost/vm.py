@@ -114,20 +114,24 @@ class KvmHost:
         """The VM's console: boot messages, then the node's log lines (prefixed ``node: ``)."""
         return Path(self.console).read_text(errors="replace") if Path(self.console).exists() else ""
 
-    def switch_vmm(self, vmm: str, timeout_s: float = 300) -> None:
-        """Restart the node inside with ``vmm.kind = vmm`` (the VM stays up: it took minutes to come up). The
-        init loop (guest_init.sh) sees the restart marker, stops the data plane (no sandbox may be running) and
-        starts the node again on the same state; its ``base`` is rebuilt for the new VMM (``base_template_current``
-        compares the VMM)."""
+    def restart_node(self, signal_name: str = "TERM", *, data_plane: bool = False, timeout_s: float = 300) -> None:
+        """Send the node inside SIG``signal_name`` and wait for the init loop (guest_init.sh) to start it again
+        on the same state (the VM stays up: it took minutes to come up). ``data_plane``: stop the data plane in
+        between too (its sandboxes end), so the next node starts one with its own config."""
         restarts = self.node_log().count("KVMHOST-NODE-RESTART")
-        self.sh(f"sed -i 's/^kind = .*/kind = \"{vmm}\"/' /var/lib/aenv/config.toml && grep '^kind' "
-                "/var/lib/aenv/config.toml && touch /var/lib/aenv/restart && kill $(cat /run/kvmhost-node.pid)")
+        marker = "dataplane" if data_plane else ""
+        self.sh(f"echo '{marker}' > /var/lib/aenv/restart && kill -{signal_name} $(cat /run/kvmhost-node.pid)")
         deadline = time.monotonic() + timeout_s
         while self.node_log().count("KVMHOST-NODE-RESTART") == restarts or not self.healthy():
             if not self.alive() or time.monotonic() > deadline:
-                raise AssertionError(f"the node in the KVM host did not come back with vmm.kind {vmm}:\n"
-                                     f"{self.node_log()[-4000:]}")
+                raise AssertionError(f"the node in the KVM host did not come back:\n{self.node_log()[-4000:]}")
             time.sleep(1)
+
+    def switch_vmm(self, vmm: str) -> None:
+        """Restart the node inside with ``vmm.kind = vmm`` and a new data plane (no sandbox may be running); its
+        ``base`` is then rebuilt for the new VMM (``base_template_current`` compares the VMM)."""
+        self.sh(f"sed -i 's/^kind = .*/kind = \"{vmm}\"/' /var/lib/aenv/config.toml")
+        self.restart_node(data_plane=True)
         self.vmm = vmm
         (Path(self.run_dir) / "state.json").write_text(json.dumps(asdict(self), indent=1))
 

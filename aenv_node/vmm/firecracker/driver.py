@@ -28,7 +28,7 @@ import re
 import shutil
 import time
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ from ..errors import (
     VmmExited,
     VmmStartError,
 )
-from ..process import ChildProcess, Spawner, StableLinks, VmmProcess, vmm_process
+from ..process import ChildProcess, Spawner, StableLinks, VmmProcess, adopted_process, vmm_process
 from .api import FirecrackerApi
 
 DEFAULT_FIRECRACKER = Path("/opt/aenv/bin/firecracker")
@@ -91,7 +91,6 @@ class FirecrackerDriver:
 
     name = "firecracker"
     nbd_client = False
-    attachable = False  # attach() is not written yet: its sandboxes fall back as after a crash
     kernel_format = KernelFormat.ELF
 
     def __init__(
@@ -170,11 +169,14 @@ class FirecrackerDriver:
         wd = config.workdir
         wd.mkdir(parents=True, exist_ok=True)
         paths = _Paths.make(config, self.jailer, self.binary.name)
+        proc: VmmProcess | None = None
         try:
             async with self._process(config, paths, boot=boot) as started:
+                proc = started[0]
                 yield started
         finally:
-            paths.cleanup()
+            if proc is None or not proc.detached:  # a detached VM runs on in its chroot
+                paths.cleanup()
 
     @asynccontextmanager
     async def _process(
@@ -234,10 +236,34 @@ class FirecrackerDriver:
                 with trio.CancelScope(shield=True):
                     await api.aclose()
 
-    def attach(self, config: VmConfig, restored_from: SnapshotFiles,
-               proc: ChildProcess) -> AbstractAsyncContextManager[FirecrackerVm]:
-        raise UnsupportedOperation("a running Firecracker VM cannot be taken over by a restarted node yet: "
-                                   "its sandbox falls back to its last periodic snapshot")
+    @asynccontextmanager
+    async def attach(self, config: VmConfig, restored_from: SnapshotFiles,
+                     proc: ChildProcess) -> AsyncIterator[FirecrackerVm]:
+        """Take over a VM an earlier run of the node restored with ``config`` from ``restored_from`` and left
+        running in ``proc``: its API socket (same path: same config) is spoken to again and its state read.
+
+        Its next capture is FULL even if a Diff is asked (``FirecrackerVm.capture``): KVM's dirty log restarts
+        at every snapshot Firecracker takes, and the dead node may have had one taken that it never committed,
+        so a Diff could miss pages written before it."""
+        paths = _Paths.make(config, self.jailer, self.binary.name)
+        vm: FirecrackerVm | None = None
+        try:
+            async with adopted_process(proc, log_path=config.workdir / "firecracker.stderr",
+                                       sockets=[paths.api_socket], extra_logs=[paths.host_file("firecracker.log")],
+                                       pid_file=config.pid_file) as vp:
+                api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)
+                try:
+                    vm = FirecrackerVm(self, config, vp, api, paths, restored_from=restored_from)
+                    vm.full_next = True
+                    state = (await vm._call("GET", "/"))["state"]
+                    vm.state = VmState.RUNNING if state == "Running" else VmState.PAUSED
+                    yield vm
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await api.aclose()
+        finally:
+            if vm is None or not vm._proc.detached:
+                paths.cleanup()
 
     # ---- boot / restore -----------------------------------------------------------------------------
 
@@ -385,6 +411,8 @@ class FirecrackerVm(Vm):
         self._api = api
         self._paths = paths
         self._has_base = restored_from is not None  # a Diff needs something to be a diff against
+        #: the next capture is FULL whatever is asked (a VM taken over: its dirty log's start is unknown)
+        self.full_next = False
         self._lock = trio.Lock()
 
     @property
@@ -419,6 +447,8 @@ class FirecrackerVm(Vm):
         # `buffer` is not used: Firecracker writes its Diff snapshot's memory file itself.
         async with self._lock:
             t0 = time.perf_counter()
+            if self.full_next:
+                kind = CaptureKind.FULL  # the result says so: its dirty ranges are the whole memory
             if kind is CaptureKind.DIFF:
                 if not self._driver.track_dirty_pages:
                     raise UnsupportedOperation("Diff captures need FirecrackerDriver(track_dirty_pages=True)")
@@ -447,6 +477,7 @@ class FirecrackerVm(Vm):
                 os.replace(out_state, vmstate)
                 os.replace(out_mem, memory)
             self._has_base = True
+            self.full_next = False
             if kind is CaptureKind.FULL:
                 ranges: tuple[MemoryRange, ...] = (MemoryRange(0, self.config.mem_bytes),)
             else:

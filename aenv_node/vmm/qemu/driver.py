@@ -98,7 +98,6 @@ class QemuDriver:
 
     name = "qemu"
     nbd_client = True
-    attachable = True
     kernel_format = KernelFormat.BZIMAGE
 
     def __init__(
