@@ -18,7 +18,7 @@ from pydantic_core import ErrorDetails
 from quart import request
 
 from .errors import ApiError
-from .models import RequestModel
+from .models import MAX_JSON_BODY, RequestModel, RequestTooLarge
 
 __all__ = ["parse_body", "validate_body", "describe_error"]
 
@@ -47,11 +47,34 @@ def _location(loc: Sequence[int | str]) -> str:
     return out
 
 
+_TOO_LARGE = frozenset({"too_long", "string_too_long"})
+
+
+def _too_large(err: ErrorDetails) -> bool:
+    ctx = err.get("ctx") or {}
+    return err["type"] in _TOO_LARGE or isinstance(ctx.get("error"), RequestTooLarge)
+
+
 def describe_error(err: ErrorDetails) -> str:
     """One user-facing sentence for one pydantic error, naming the field by its wire name."""
-    name = _location(err["loc"])
+    loc = tuple(err["loc"])
     kind = err["type"]
     ctx: dict[str, Any] = dict(err.get("ctx") or {})
+    if loc and loc[-1] == "[key]":  # a dict's key: named by the dict it is in
+        field = _location(loc[:-2])
+        if kind == "string_too_long":
+            return f"a key of field {field!r} must be at most {ctx['max_length']} characters"
+        if kind == "string_too_short":
+            return f"a key of field {field!r} must not be empty"
+    name = _location(loc)
+    if isinstance(ctx.get("error"), RequestTooLarge):
+        return str(ctx["error"])
+    if kind == "too_long":
+        got = err["input"]
+        return f"field {name!r} must have at most {ctx['max_length']} entries, got {len(got)}" \
+            if isinstance(got, (dict, list)) else f"field {name!r} must have at most {ctx['max_length']} entries"
+    if kind == "string_too_long":
+        return f"field {name!r} must be at most {ctx['max_length']} characters"
     if kind == "missing":
         return f"field {name!r} is required"
     if kind in _TYPE_NAMES:
@@ -67,14 +90,18 @@ def describe_error(err: ErrorDetails) -> str:
 
 
 def validate_body(model: type[M], body: Any) -> M:
-    """Validate decoded JSON with ``model``; a wrong shape is a 422 naming the first bad field."""
+    """Validate decoded JSON with ``model``; a wrong shape is a 422 naming the first bad field, a field over a
+    size limit (``models.py``, limits) a 400 naming it and the limit."""
     if not isinstance(body, dict):
         raise ApiError(422, "request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        raise ApiError(422, describe_error(errors[0]) if errors else str(exc)) from None
+        if not errors:
+            raise ApiError(422, str(exc)) from None
+        big = [e for e in errors if _too_large(e)]
+        raise ApiError(400 if big else 422, describe_error((big or errors)[0])) from None
 
 
 def _needs_body(model: type[RequestModel]) -> bool:
@@ -82,8 +109,17 @@ def _needs_body(model: type[RequestModel]) -> bool:
 
 
 async def parse_body(model: type[M]) -> M:
-    """The request's JSON body as ``model``. An empty body is ``{}`` when no field is required."""
-    raw = await request.get_data()
+    """The request's JSON body as ``model``. An empty body is ``{}`` when no field is required; one over
+    ``MAX_JSON_BODY`` bytes is a 413, refused by its Content-Length or as soon as that much has arrived."""
+    too_large = ApiError(413, f"request body too large: at most {MAX_JSON_BODY} bytes")
+    if (request.content_length or 0) > MAX_JSON_BODY:
+        raise too_large
+    chunks = bytearray()
+    async for chunk in request.body:
+        chunks += chunk
+        if len(chunks) > MAX_JSON_BODY:
+            raise too_large
+    raw = bytes(chunks)
     if not raw.strip():
         if _needs_body(model):
             raise ApiError(400, "request body must be a JSON object")

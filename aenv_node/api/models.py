@@ -52,6 +52,8 @@ __all__ = [
     "rfc3339",
     "e2b_state",
     "RequestModel",
+    "RequestTooLarge",
+    "MAX_JSON_BODY",
     "ResponseModel",
     # requests
     "SandboxAutoResumeConfig",
@@ -119,6 +121,36 @@ Timestamp = Annotated[dt.datetime, PlainSerializer(rfc3339, return_type=str)]
 # ----- bases ---------------------------------------------------------------------------------
 
 
+# ----- limits ----------------------------------------------------------------------------------
+# What one request may carry (docs/api.md, "Limits"): a sandbox's metadata is sent back in every listing, and
+# its environment reaches every process in its guest, so neither may grow without bound (a 20 MB metadata
+# value was accepted and then returned by every list). Over a limit is a 400 naming the field and the limit.
+
+#: the largest JSON request body, in bytes (a 413 beyond; template file uploads have their own)
+MAX_JSON_BODY = 1 << 20
+METADATA_MAX_ENTRIES = 64
+METADATA_KEY_MAX = 256
+METADATA_VALUE_MAX = 4096
+ENV_MAX_ENTRIES = 256
+ENV_NAME_MAX = 256
+ENV_VALUE_MAX = 32 * 1024
+#: all names and values of a sandbox's environment together, in characters
+ENV_TOTAL_MAX = 256 * 1024
+EGRESS_MAX_RULES = 256
+EGRESS_RULE_MAX = 256
+
+Metadata = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=METADATA_KEY_MAX)],
+         Annotated[str, Field(max_length=METADATA_VALUE_MAX)]],
+    Field(max_length=METADATA_MAX_ENTRIES),
+]
+EnvVars = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=ENV_NAME_MAX)], Annotated[str, Field(max_length=ENV_VALUE_MAX)]],
+    Field(max_length=ENV_MAX_ENTRIES),
+]
+EgressRules = Annotated[list[Annotated[str, Field(max_length=EGRESS_RULE_MAX)]], Field(max_length=EGRESS_MAX_RULES)]
+
+
 class RequestModel(BaseModel):
     """A JSON request body: strict types, unknown fields ignored, ``null`` means absent."""
 
@@ -169,8 +201,8 @@ class SandboxAutoResumeConfig(RequestModel):
 class SandboxNetworkConfig(RequestModel):
     """Egress policy: CIDRs or domains; ``allowOut`` wins over ``denyOut``."""
 
-    allow_out: Optional[list[str]] = Field(None, alias="allowOut")
-    deny_out: Optional[list[str]] = Field(None, alias="denyOut")
+    allow_out: Optional[EgressRules] = Field(None, alias="allowOut")
+    deny_out: Optional[EgressRules] = Field(None, alias="denyOut")
     allow_public_traffic: Optional[bool] = Field(
         None, alias="allowPublicTraffic",
         description="false: every port but envd's needs the sandbox's trafficAccessToken "
@@ -184,12 +216,24 @@ class NewSandbox(RequestModel):
         None, alias="templateID",
         description="template id or alias, or a snapshot id; the node's default template when absent")
     timeout: Optional[int] = Field(None, ge=0, description=_TIMEOUT + "; the node's default when absent")
-    metadata: dict[str, str] = Field(default_factory=dict)
-    env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+    metadata: Metadata = Field(default_factory=dict)
+    env_vars: EnvVars = Field(default_factory=dict, alias="envVars")
     auto_pause: bool = Field(True, alias="autoPause", description="pause (not kill) on timeout")
     auto_resume: Optional[SandboxAutoResumeConfig] = Field(None, alias="autoResume")
     allow_internet_access: bool = True
     network: Optional[SandboxNetworkConfig] = None
+
+    @model_validator(mode="after")
+    def _environment_fits(self) -> "NewSandbox":
+        total = sum(len(k) + len(v) for k, v in self.env_vars.items())
+        if total > ENV_TOTAL_MAX:
+            raise RequestTooLarge(f"field 'envVars' must total at most {ENV_TOTAL_MAX} characters (names and "
+                                  f"values), got {total}")
+        return self
+
+
+class RequestTooLarge(ValueError):
+    """A request over one of the limits above (a 400, not a 422: its shape is right, its size is not)."""
 
 
 class Timeout(RequestModel):

@@ -1,0 +1,113 @@
+"""Request size limits (``api/models.py``, limits; docs/api.md): a body, a sandbox's metadata, its environment
+and its egress rules over their limits are refused in E2B's error shape, naming what is over and the limit,
+against the real server (Hypercorn); what is at a limit passes.
+
+The live node here has no sandbox service: a body that passes the limits reaches the handler, which answers
+501, so 501 means "accepted by the limits"."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import trio
+
+from aenv_node.api.models import (
+    EGRESS_MAX_RULES,
+    ENV_TOTAL_MAX,
+    ENV_VALUE_MAX,
+    MAX_JSON_BODY,
+    METADATA_KEY_MAX,
+    METADATA_MAX_ENTRIES,
+    METADATA_VALUE_MAX,
+)
+
+from .test_api import assert_e2b_error
+
+ACCEPTED = 501
+
+
+def _refused_by_length(url: str, key: str, length: int) -> tuple[int, dict[str, Any]]:
+    """POST a create announcing ``length`` bytes, send none of them, and read the answer."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /v2/sandboxes HTTP/1.1\r\nHost: {host}\r\nX-API-KEY: {key}\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload[:_content_length(data)])
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
+
+
+async def _create(c: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+    return await c.post("/v2/sandboxes", json=body)
+
+
+async def test_a_body_over_the_limit_is_413_by_its_length_or_as_it_streams(live_node) -> None:
+    async with live_node.client() as c:
+        # the case the issue measured: a 20 MB metadata value was accepted and listed back. Refused by its
+        # Content-Length, before a byte of it is read (a raw socket: httpx sends all of a body before it reads)
+        status, body = await trio.to_thread.run_sync(_refused_by_length, live_node.url, live_node.api_key,
+                                                   20 << 20)
+        assert status == 413 and body["code"] == 413 and f"at most {MAX_JSON_BODY}" in body["message"], body
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: refused once that much arrived
+            yield b'{"metadata": {"k": "'
+            for _ in range(MAX_JSON_BODY // 65536 + 2):
+                yield b"x" * 65536
+            yield b'"}}'
+
+        r = await c.post("/v2/sandboxes", content=chunks(), headers={"Content-Type": "application/json"})
+        assert_e2b_error(r, 413, "request body too large")
+        # the node still answers
+        assert (await c.get("/v2/sandboxes")).status_code == 200
+
+
+def _over_and_at_limits() -> Iterator[tuple[dict[str, Any], dict[str, Any], str]]:
+    """(a body just over a limit, the same at the limit, what the 400 names)"""
+    yield ({"metadata": {"k": "v" * (METADATA_VALUE_MAX + 1)}}, {"metadata": {"k": "v" * METADATA_VALUE_MAX}},
+           f"field 'metadata.k' must be at most {METADATA_VALUE_MAX} characters")
+    yield ({"metadata": {"k" * (METADATA_KEY_MAX + 1): "v"}}, {"metadata": {"k" * METADATA_KEY_MAX: "v"}},
+           f"a key of field 'metadata' must be at most {METADATA_KEY_MAX} characters")
+    yield ({"metadata": {f"k{i}": "v" for i in range(METADATA_MAX_ENTRIES + 1)}},
+           {"metadata": {f"k{i}": "v" for i in range(METADATA_MAX_ENTRIES)}},
+           f"field 'metadata' must have at most {METADATA_MAX_ENTRIES} entries, got {METADATA_MAX_ENTRIES + 1}")
+    yield ({"envVars": {"A": "v" * (ENV_VALUE_MAX + 1)}}, {"envVars": {"A": "v" * ENV_VALUE_MAX}},
+           f"field 'envVars.A' must be at most {ENV_VALUE_MAX} characters")
+    n = ENV_TOTAL_MAX // ENV_VALUE_MAX  # n values at their own limit fill the total but for their names
+    yield ({"envVars": {f"V{i}": "v" * ENV_VALUE_MAX for i in range(n + 1)}},
+           {"envVars": {f"V{i}": "v" * (ENV_VALUE_MAX - 2) for i in range(n)}},
+           f"field 'envVars' must total at most {ENV_TOTAL_MAX} characters")
+    yield ({"network": {"allowOut": ["10.0.0.0/8"] * (EGRESS_MAX_RULES + 1)}},
+           {"network": {"allowOut": ["10.0.0.0/8"] * EGRESS_MAX_RULES}},
+           f"field 'network.allowOut' must have at most {EGRESS_MAX_RULES} entries")
+    yield ({"metadata": {"": "v"}}, {"metadata": {"k": ""}}, "a key of field 'metadata' must not be empty")
+
+
+async def test_fields_over_their_limits_are_400_naming_the_field_and_the_limit(live_node) -> None:
+    async with live_node.client() as c:
+        for over, at, message in _over_and_at_limits():
+            if "must not be empty" in message:  # an empty key is a shape error, not a size: 422
+                assert_e2b_error(await _create(c, over), 422, message)
+            else:
+                assert_e2b_error(await _create(c, over), 400, message)
+            assert (await _create(c, at)).status_code == ACCEPTED, (at, message)
+        # a type error in the same body still reads as one: the size is named first only when there is one
+        r = await _create(c, {"timeout": "soon", "metadata": {"k": "v" * (METADATA_VALUE_MAX + 1)}})
+        assert_e2b_error(r, 400, "'metadata.k'")
+        assert_e2b_error(await _create(c, {"timeout": "soon"}), 422, "'timeout' must be an integer")
