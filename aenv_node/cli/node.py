@@ -102,6 +102,27 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None, pause_
 
 
 @main.group()
+def key() -> None:
+    """The node's API key (the X-API-KEY every client sends)."""
+
+
+@key.command("rotate")
+@pass_config
+def key_rotate(cfg: Config) -> None:
+    """Replace the API key with a new one and print it: a running node accepts only the new key within a
+    second, no restart (refused when the key is set in the configuration, api.api_key)."""
+    from ..runtime import rotate_api_key
+    from ..runtime.api_key import ApiKeyFromConfig, RELOAD_INTERVAL_S
+
+    try:
+        new = rotate_api_key(cfg)
+    except ApiKeyFromConfig as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(new)
+    click.echo(f"written to {cfg.api_key_path}; a running node uses it within {RELOAD_INTERVAL_S:.0f} s", err=True)
+
+
+@main.group()
 def dataplane() -> None:
     """The node's data plane: the process that serves sandbox disks and runs their VMMs (node.data_plane)."""
 

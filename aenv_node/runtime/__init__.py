@@ -1,7 +1,8 @@
 """The Trio supervisor tree: the node, its services, and in-flight operations."""
 
 from .errors import NodeDraining, RuntimeLayerError
-from .node import Node, Reconciler, Service, ensure_api_key
+from .api_key import ApiKeyWatcher, ensure_api_key, rotate_api_key
+from .node import Node, Reconciler, Service
 from .operations import OperationTracker
 from .supervisor import run_node
 
@@ -12,6 +13,8 @@ __all__ = [
     "OperationTracker",
     "NodeDraining",
     "RuntimeLayerError",
+    "ApiKeyWatcher",
     "ensure_api_key",
+    "rotate_api_key",
     "run_node",
 ]

@@ -9,8 +9,6 @@ layers below on its own.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -25,9 +23,10 @@ from ..config import Config
 from ..state import Database, EventSubject, NodeState, utcnow
 from ..state import Node as NodeRow
 from ..state.repository import record_event
+from .api_key import ApiKeyWatcher
 from .operations import OperationTracker
 
-__all__ = ["Node", "Service", "Reconciler", "ensure_api_key", "node_id_for"]
+__all__ = ["Node", "Service", "Reconciler", "node_id_for"]
 
 log = logging.getLogger(__name__)
 
@@ -46,36 +45,6 @@ Reconciler = Callable[["Node"], Awaitable[None]]
 
 def node_id_for(cfg: Config) -> str:
     return cfg.node.node_id or socket.gethostname()
-
-
-def ensure_api_key(cfg: Config) -> tuple[str, Path | None]:
-    """The API key: from config, else read or generated at <state>/secrets/api-key (0600).
-
-    Returns the key and the file it lives in (None when it came from config).
-    """
-    if cfg.api.api_key:
-        return cfg.api.api_key, None
-    path = cfg.api_key_path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
-    try:
-        key = path.read_text().strip()
-        if key:
-            if path.stat().st_mode & 0o077:
-                os.chmod(path, 0o600)
-            return key, path
-    except FileNotFoundError:
-        pass
-    key = "aenv_" + secrets.token_hex(20)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, (key + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return key, path
 
 
 @dataclass
@@ -103,6 +72,8 @@ class Node:
     def __post_init__(self) -> None:
         if not self.node_id:
             self.node_id = node_id_for(self.cfg)
+        if self.api_key_path is not None:  # a key from a file can be rotated under the running node
+            self.services.append(ApiKeyWatcher(self, self.api_key_path))
 
     def request_shutdown(self) -> None:
         self.shutdown.set()

@@ -76,3 +76,32 @@ def test_aenv_auth_and_ls_against_a_live_node(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+async def test_key_rotate_replaces_the_key_of_a_running_node(live_node, node_config) -> None:
+    """``aenv-node key rotate`` prints a new key; the running node (no restart) soon accepts only it."""
+    import trio
+
+    old = live_node.api_key
+    out = await trio.to_thread.run_sync(
+        lambda: run(["key", "rotate"], env={"AENV_STATE_DIR": str(node_config.state_dir)}))
+    assert out.returncode == 0, out.stderr
+    new = out.stdout.strip()
+    assert new.startswith("aenv_") and new != old and "a running node uses it" in out.stderr
+    assert (node_config.state_dir / "secrets" / "api-key").stat().st_mode & 0o777 == 0o600
+    with trio.fail_after(10):
+        while True:
+            async with live_node.client(key=new) as c:
+                if (await c.get("/v2/sandboxes")).status_code == 200:
+                    break
+            await trio.sleep(0.2)
+    async with live_node.client(key=old) as c:
+        r = await c.get("/v2/sandboxes")
+        assert r.status_code == 401 and r.json()["message"] == "invalid API key"
+
+
+def test_key_rotate_refuses_a_key_set_in_the_configuration(tmp_path: Path) -> None:
+    out = run(["key", "rotate"], env={"AENV_STATE_DIR": str(tmp_path), "AENV_API_API_KEY": "fixed"})
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("Error: the API key is set in "
+                                                                                   "the configuration"), out.stderr
+    assert not (tmp_path / "secrets" / "api-key").exists()
