@@ -446,3 +446,59 @@ async def test_device_failures_become_error_replies(device: FlatFileDevice, shor
         out = await qemu_io(server.uri, "read 0 4k", check=False)
         assert "Input/output error" in out
         await qemu_io(server.uri, "read 8k 4k")
+
+
+def _drain_to_eof(sock: socket.socket) -> None:
+    """Read until the server closes (it must: the client shut its side down), whatever it answers meanwhile."""
+    sock.shutdown(socket.SHUT_WR)
+    while sock.recv(65536):
+        pass
+
+
+_fuzz_requests = st.lists(
+    st.tuples(
+        st.sampled_from([P.REQUEST_MAGIC] * 4 + [0, 0xFFFFFFFF]),  # mostly well-framed, sometimes not
+        st.integers(0, 0xFFFF),  # command flags
+        st.sampled_from([P.CMD_READ, P.CMD_WRITE, P.CMD_FLUSH, P.CMD_TRIM, P.CMD_WRITE_ZEROES, P.CMD_DISC,
+                         P.CMD_BLOCK_STATUS, 9, 0xFFFF]),
+        st.integers(0, 2**64 - 1),  # offset
+        st.integers(0, 2**32 - 1),  # length
+        st.binary(max_size=64),  # whatever follows the header
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(negotiation=st.binary(max_size=512), requests=_fuzz_requests, go_first=st.booleans())
+async def test_fuzzed_bytes_close_their_connection_and_nothing_else(  # type: ignore[no-untyped-def]
+        negotiation, requests, go_first, device: FlatFileDevice, short_dir: str) -> None:
+    """Malformed negotiation bytes, or well- and ill-framed requests with any flags, types, offsets and lengths
+    after a proper negotiation: the server answers or closes that connection, never crashes, never changes a
+    read-only export, and serves the next client as before (each example in its own trio.run, so its own
+    server)."""
+    before = device.pread(0, DEVICE_SIZE)
+    path = os.path.join(short_dir, "f.sock")
+
+    def talk() -> None:
+        with RawClient(path, timeout=10) as c:
+            if go_first:
+                c.go("base")
+                for magic, flags, cmd, offset, length, tail in requests:
+                    c.sock.sendall(P.REQUEST.pack(magic, flags, cmd, 7, offset, length) + tail)
+            else:
+                c.sock.sendall(negotiation)
+            try:
+                _drain_to_eof(c.sock)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed before we were done: as good as EOF
+        with RawClient(path) as c:  # the next client is served
+            c.go("base")
+            assert c.read(0, 4096) == (0, before[:4096])
+
+    async with serve_nbd(device, path, read_only=True, export_name="base") as server:
+        await trio.to_thread.run_sync(talk)
+        with trio.fail_after(5):
+            while server.active_connections:
+                await trio.sleep(0.01)
+    assert device.pread(0, DEVICE_SIZE) == before
