@@ -15,7 +15,7 @@ from .errors import (
     UpperFull,
 )
 from .image import Image, LiveDisk
-from .importer import import_raw
+from .importer import import_raw, import_raw_cached
 from .layer import Extent, LayerInfo, LayerReader, LayerWriter
 from .layer_pool import LayerPool
 from .layer_ref import LayerRef, LayerSourceProvider, open_image, open_reader
@@ -45,6 +45,7 @@ __all__ = [
     "compact_layers",
     "diff_extents",
     "import_raw",
+    "import_raw_cached",
     "materialize",
     "MaterializeStats",
     "reflink_supported",

@@ -52,7 +52,7 @@ from ..state import (
     utcnow,
 )
 from ..state.repository import record_event
-from ..storage import Image, LayerInfo, LayerReader, LayerRef, import_raw
+from ..storage import Image, LayerInfo, LayerReader, LayerRef, import_raw_cached
 from ..storage.frontends import DiskFrontend
 from ..vmm import CaptureKind, CaptureResult, VmmDriver
 from .errors import TemplateBuildError
@@ -229,8 +229,10 @@ async def build_template(
             rootfs = source.rootfs
             log.info("template %s: importing %s as the base layer", template_id, rootfs.name)
             t_imp = time.monotonic()
+            # a root filesystem source is a file cached by content hash (images/), never changed under its
+            # name: its import is remembered beside it, for the next node or rebuild
             base = await trio.to_thread.run_sync(
-                lambda: import_raw(rootfs, layers_dir, virtual_size=max(
+                lambda: import_raw_cached(rootfs, layers_dir, cache_dir=rootfs.parent / "imported", virtual_size=max(
                     disk_bytes, -(-rootfs.stat().st_size // 4096) * 4096)))
             log.info("template %s: base layer %s in %.1fs", template_id, base.digest[:12], time.monotonic() - t_imp)
             stack = [Path(base.path)]

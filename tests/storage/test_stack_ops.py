@@ -14,7 +14,7 @@ import pytest
 
 from aenv_node.storage.compact import diff_extents
 from aenv_node.storage.image import Image
-from aenv_node.storage.importer import import_raw
+from aenv_node.storage.importer import import_raw, import_raw_cached
 from aenv_node.storage.layer import LayerReader
 from aenv_node.storage.materialize import materialize, reflink_supported
 from aenv_node.storage.upper import Upper
@@ -49,6 +49,31 @@ def test_import_skips_holes_and_zero_blocks(tmp_path: Path) -> None:
         data_blocks = sum(e.length for e in r.iter_extents() if not e.zeroed) // BLOCK
         assert data_blocks == nonzero  # exactly the non-zero blocks were stored
         assert not any(e.zeroed for e in r.iter_extents())
+
+
+def test_a_cached_import_is_linked_by_the_next_node_and_redone_when_its_record_is_wrong(tmp_path: Path) -> None:
+    raw = tmp_path / "rootfs-0123abcd.ext4"
+    flat = _sparse_raw(raw, 512 * BLOCK, 2)
+    cache = tmp_path / "imported"
+    nodes = [tmp_path / f"node{i}" for i in range(3)]
+    for d in nodes:
+        d.mkdir()
+    first = import_raw_cached(raw, nodes[0], virtual_size=1024 * BLOCK, cache_dir=cache)
+    second = import_raw_cached(raw, nodes[1], virtual_size=1024 * BLOCK, cache_dir=cache)
+    assert (second.digest, second.file_size, second.data_bytes) == (first.digest, first.file_size, first.data_bytes)
+    assert second.path == str(nodes[1] / f"{first.digest}.layer")
+    cached = cache / f"{raw.name}.{1024 * BLOCK}.layer"
+    assert os.stat(second.path).st_ino == os.stat(cached).st_ino  # linked, not imported again
+    with LayerReader.open(second.path) as r:
+        assert r.read(0, len(flat)) == flat and r.virtual_size == 1024 * BLOCK
+    # another virtual size is another import; a record that does not match its file is not trusted
+    other = import_raw_cached(raw, nodes[2], virtual_size=2048 * BLOCK, cache_dir=cache)
+    assert other.virtual_size == 2048 * BLOCK and other.digest != first.digest
+    record = cache / f"{raw.name}.{1024 * BLOCK}.json"
+    record.write_text(record.read_text().replace(f'"file_size": {first.file_size}', '"file_size": 1'))
+    again = import_raw_cached(raw, tmp_path / "node2", virtual_size=1024 * BLOCK, cache_dir=cache)
+    assert again.digest == first.digest and f'"file_size": {first.file_size}' in record.read_text()
+    assert not [p.name for p in cache.iterdir() if p.name.startswith(".")]  # no temporary left
 
 
 def test_seal_reuses_upper_data_file(tmp_path: Path) -> None:
