@@ -60,6 +60,25 @@ def test_envd_needs_the_access_token(sdk_env) -> None:
         sb.kill()
 
 
+# an ICMP echo through a raw socket (root only; the base image has no ping): REACHED if a reply comes in 2 s
+_RAW_PING = (
+    "/opt/aenv/bin/python -c 'import socket, struct, sys\n"
+    "def csum(b):\n"
+    "    s = sum(struct.unpack(\"!%dH\" % (len(b) // 2), b)); s = (s >> 16) + (s & 0xffff); s += s >> 16\n"
+    "    return ~s & 0xffff\n"
+    "pkt = struct.pack(\"!BBHHH\", 8, 0, 0, 7, 1) + b\"aenvping\"\n"
+    "pkt = pkt[:2] + struct.pack(\"!H\", csum(pkt)) + pkt[4:]\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); s.settimeout(2)\n"
+    "s.sendto(pkt, (sys.argv[1], 0))\n"
+    "try:\n"
+    "    while True:\n"
+    "        data, src = s.recvfrom(1024)\n"
+    "        if src[0] == sys.argv[1] and data[20] == 0: print(\"REACHED\"); break\n"
+    "except OSError: print(\"BLOCKED\")\n"
+    "' {0}"
+)
+
+
 def test_isolation_from_other_sandboxes_host_and_api(sdk_env) -> None:
     a = Sandbox.create()
     b = Sandbox.create()
@@ -80,8 +99,19 @@ def test_isolation_from_other_sandboxes_host_and_api(sdk_env) -> None:
                              ("169.254.0.22", host_port)):
             out = a.commands.run(probe.format(target, port)).stdout.strip()
             assert out == "CLOSED", f"sandbox reached {target}:{port}"
+        # the cloud metadata address, and the same targets from root with raw sockets (ICMP) and over IPv6
+        out = a.commands.run(probe.format("169.254.169.254", 80), user="root").stdout.strip()
+        assert out == "CLOSED", "sandbox reached the cloud metadata address"
+        for target in (b_addr, a_host):
+            out = a.commands.run(_RAW_PING.format(target), user="root").stdout.strip()
+            assert out == "BLOCKED", f"sandbox pinged {target} from root: {out}"
+        v6 = a.commands.run("ip -6 -o addr show scope global 2>/dev/null; ip -6 route show default 2>/dev/null; true",
+                            user="root").stdout
+        assert v6.strip() == "", f"the guest has a global IPv6 address or route: {v6}"
         out = a.commands.run(probe.format("127.0.0.1", 49983)).stdout.strip()
         assert out == "OPEN"  # its own envd, to show the probe can succeed
+        out = a.commands.run(_RAW_PING.format("127.0.0.1"), user="root").stdout.strip()
+        assert out == "REACHED", out  # and that the raw ping works at all in the guest
     finally:
         server.close()
         a.kill()
