@@ -89,6 +89,9 @@ class VmmSection:
     tcg_tb_size_restore_mb: int = 16
     ksm: bool = False
     free_page_reporting: bool = True
+    cgroups: bool = True
+    memory_overhead_mib: int = 512
+    pids_max: int = 1024
 
 
 @dataclass(frozen=True)

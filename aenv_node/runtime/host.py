@@ -1,4 +1,5 @@
-"""The host side of the node's networking: checked and set up before any slot exists, torn down last.
+"""The host side of the node's networking: checked and set up before any slot exists, torn down last (with
+the node's VMM cgroup roots, when no VMM is left in them).
 
 The node owns a range of addresses (``net.pool_cidr``) and host-wide tables
 (NAT, isolation rules). Before it sets them up it refuses to start when
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from ..dataplane import DataPlaneError
 from ..net import ensure_host_networking, teardown_host_networking
 from .errors import PoolInUse
 from .parts import NodeParts
@@ -40,7 +42,25 @@ class HostNetwork:
             await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
-                await teardown_host_networking(self.parts.netcfg)
+                running = await self._left_running()
+                if running:
+                    # sandboxes left running in the data plane (a stop, an upgrade): their isolation and
+                    # egress rules stay, or until the next start they could reach the host and each other
+                    log.info("host networking kept: %d VMMs run on in the data plane", running)
+                else:
+                    await teardown_host_networking(self.parts.netcfg)
+                limits = self.parts.driver.limits
+                if limits is not None:  # kept while VMMs left running in the data plane are in them
+                    await trio.to_thread.run_sync(limits.cgroups.remove_roots)
+
+    async def _left_running(self) -> int:
+        """How many VMMs the data plane still runs (0 without one, or when it does not answer)."""
+        if self.parts.dataplane is None:
+            return 0
+        try:
+            return len(await self.parts.dataplane.children())
+        except DataPlaneError:
+            return 0
 
     async def _check_pool_is_free(self) -> None:
         """Refuse to start when another node (or anything else) routes part of our slot range: the

@@ -28,7 +28,7 @@ from ..state import Database
 from ..storage.cache import LayerCache
 from ..storage.frontends import DiskFrontend, FrontendKind, choose_frontend
 from ..storage.repository import Repository, repository_from_config
-from ..vmm import Accel, VmmDriver, make_driver
+from ..vmm import Accel, CgroupError, Cgroups, VmmDriver, VmmLimits, make_driver
 from ..vmm.capture_buffer import CaptureBufferPool
 from .errors import NodeNotReady
 from .sandbox import Adoption
@@ -115,6 +115,17 @@ class NodeParts:
         if cfg.node.data_plane:
             parts.dataplane = DataPlaneClient(cfg.run_dir, frontend)
             choice.driver.spawner = parts.dataplane.spawn
+        if cfg.vmm.cgroups:
+            try:
+                limits = VmmLimits(Cgroups.detect(tag), memory_overhead_mib=cfg.vmm.memory_overhead_mib,
+                                   pids=cfg.vmm.pids_max)
+            except CgroupError as exc:
+                log.warning("VMMs run without resource limits: %s", exc)
+            else:
+                swept = limits.sweep()  # those of VMMs that ended with a crashed node
+                log.info("each VMM in its own cgroup (%s), %d left over removed", ", ".join(map(str, limits.cgroups.roots)),
+                         len(swept))
+                choice.driver.limits = limits
         return parts
 
     def running_pool(self) -> SlotPool:

@@ -37,12 +37,17 @@ from .errors import (
     VmmStartError,
     VmmTimeout,
 )
+from .cgroup import CgroupError, Cgroups, ResourceLimits, VmmLimits
 from .firecracker import FirecrackerDriver, JailerConfig
 from .qemu import QemuDriver
 from .process import kill_recorded
 from .select import DriverChoice, make_driver
 
 __all__ = [
+    "CgroupError",
+    "Cgroups",
+    "ResourceLimits",
+    "VmmLimits",
     "PAGE_SIZE",
     "Accel",
     "KernelFormat",

@@ -34,6 +34,7 @@ import trio
 from . import pagemap
 from .errors import UnsupportedOperation, VmmConfigError
 from .memory import MemoryRange
+from .cgroup import VmmLimits
 from .process import ChildProcess, Spawner, proc_cpu_seconds, proc_memory
 
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -344,6 +345,8 @@ class VmmDriver(Protocol):
     #: where VMM processes start (the node's data plane, so they outlive a restart of the node); None: as
     #: children of this process
     spawner: Spawner | None
+    #: each VMM in its own cgroup with these limits (``cgroup.py``); None: unlimited
+    limits: VmmLimits | None
 
     def boot(self, config: VmConfig) -> AbstractAsyncContextManager[Vm]:
         """Start a VMM process and boot the guest; the VM is running when the context is entered."""

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import trio
 
+from .cgroup import VmmCgroup
 from .errors import VmmExited, VmmNotInstalled, VmmStartError
 from .seccomp import SeccompFilter, exec_helper
 
@@ -229,6 +230,7 @@ async def vmm_process(
     pid_file: Path | None = None,
     spawner: Spawner | None = None,
     key: str = "",
+    cgroup: VmmCgroup | None = None,
 ) -> AsyncIterator[VmmProcess]:
     """Start `argv` (inside `netns` if given); kill, reap and remove `sockets` on exit.
 
@@ -244,6 +246,8 @@ async def vmm_process(
     the fork and its own write would leave a VMM nobody recorded. Removed with the process.
     `spawner`: start the command there (the node's data plane) instead of as our child; `key` names what it
     runs for (the sandbox or build).
+    `cgroup`: the VMM's resource limits (``cgroup.py``): the child joins it before anything else runs, and
+    it is removed with the process.
     """
     exe = argv[0]
     if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
@@ -268,6 +272,8 @@ async def vmm_process(
     if pid_file is not None:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         full_argv = ["/bin/sh", "-c", _PID_SCRIPT, "sh", str(pid_file), *full_argv]
+    if cgroup is not None:  # first of all: nothing of the VMM runs outside its limits
+        full_argv = ["/bin/sh", "-c", cgroup.join_script() + 'exec "$@"', "sh", *full_argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc: ChildProcess
     if spawner is not None:
@@ -290,7 +296,7 @@ async def vmm_process(
                 if out_f is not None:
                     out_f.close()
     async with adopted_process(proc, log_path=log_path, sockets=sockets, extra_logs=extra_logs,
-                               pid_file=pid_file) as vp:
+                               pid_file=pid_file, cgroup=cgroup) as vp:
         yield vp
 
 
@@ -302,25 +308,28 @@ async def adopted_process(
     sockets: Sequence[Path] = (),
     extra_logs: Sequence[Path] = (),
     pid_file: Path | None = None,
+    cgroup: VmmCgroup | None = None,
 ) -> AsyncIterator[VmmProcess]:
     """A VMM process started (``vmm_process``) or found (one an earlier run of the node started, found by what
-    it recorded), owned from here on: killed, reaped and its sockets and pid file removed however the block is
-    left, unless it was detached."""
+    it recorded), owned from here on: killed, reaped and its sockets, pid file and cgroup removed however the
+    block is left, unless it was detached."""
     vp = VmmProcess(proc, log_path, extra_logs)
     try:
         yield vp
     finally:
         with trio.CancelScope(shield=True):
-            await _end(vp, pid_file, sockets)
+            await _end(vp, pid_file, sockets, cgroup)
 
 
-async def _end(vp: VmmProcess, pid_file: Path | None, sockets: Sequence[Path]) -> None:
+async def _end(vp: VmmProcess, pid_file: Path | None, sockets: Sequence[Path], cgroup: VmmCgroup | None) -> None:
     if vp.detached:
         close = getattr(vp._proc, "close", None)
         if close is not None:
             close()
         return
     await vp.kill()
+    if cgroup is not None:
+        await trio.to_thread.run_sync(cgroup.remove)
     if pid_file is not None:
         pid_file.unlink(missing_ok=True)
     for s in sockets:

@@ -31,6 +31,8 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from aenv_node.config import load_config
+from aenv_node.runtime.parts import node_tag
 from aenv_node.vmm.process import read_pid_file
 
 from .conftest import stop_node
@@ -74,6 +76,10 @@ def _alive(pid: int, sid: str) -> bool:
         return sid.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def _node_tag(dp: DataPlaneRig) -> str:
+    return node_tag(load_config(environ={}, overrides={"node": {"state_dir": str(dp.state)}}))
 
 
 def _running(dp: DataPlaneRig) -> dict[str, int]:
@@ -143,10 +149,13 @@ def test_control_plane_killed_under_load_keeps_every_running_sandbox(dp: DataPla
     # only creates the kill cut before they ran were settled as killed
     cut = dp.sql("SELECT sandbox_id, from_state FROM events WHERE operation = 'reconcile' AND to_state = 'killing'")
     assert all(st == "creating" for _, st in cut), cut
+    tag = _node_tag(dp)
     for sid in after:
         assert _alive(after[sid], sid)
         events = dp.sql(f"SELECT detail FROM events WHERE sandbox_id = '{sid}' AND operation = 'adopt'")
         assert events, sid  # taken over, with its event
+        # started by the data plane, in its own cgroup (vmm.cgroups) from its first instruction
+        assert f":/aenv-{tag}/aenv-{sid}\n" in Path(f"/proc/{after[sid]}/cgroup").read_text(), sid
     for sb in sandboxes:
         back = Sandbox.connect(sb.sandbox_id, timeout=900)
         assert back.files.read(MARK) == f"written by {sb.sandbox_id}"
@@ -164,6 +173,8 @@ def test_control_plane_killed_under_load_keeps_every_running_sandbox(dp: DataPla
     stop_node(node.proc, keep_dataplane=True)
     assert dp.sql("SELECT count(*) FROM sandboxes WHERE state = 'running'") == [(len(after),)]
     assert all(_alive(pid, sid) for sid, pid in after.items())
+    # their isolation and egress rules stay while they run with no node
+    assert subprocess.run(["nft", "list", "table", "inet", f"aenv_{tag}"], capture_output=True).returncode == 0
     dp.start()
     assert _running(dp) == after
 
@@ -188,6 +199,7 @@ def test_control_plane_killed_under_load_keeps_every_running_sandbox(dp: DataPla
     _wait(lambda: not _running(dp), "sandboxes still running after their kill")
     _eventually(lambda: check_invariants(dp))
     assert dp.dataplane("status").stdout.startswith(f"data plane pid {plane}: 0 disks, 0 VMMs")
+    assert not [sid for sid in after if Path(f"/sys/fs/cgroup/memory/aenv-{tag}/aenv-{sid}").exists()]
 
 
 DP_CELLS = [

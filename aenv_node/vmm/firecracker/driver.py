@@ -56,6 +56,7 @@ from ..errors import (
     VmmExited,
     VmmStartError,
 )
+from ..cgroup import VmmLimits
 from ..process import ChildProcess, Spawner, StableLinks, VmmProcess, adopted_process, vmm_process
 from .api import FirecrackerApi
 
@@ -111,6 +112,8 @@ class FirecrackerDriver:
         self.op_timeout_s = op_timeout_s
         #: where VMM processes start (the node's data plane), None: as this process's children
         self.spawner: Spawner | None = None
+        #: each VMM in its own cgroup with these limits (``cgroup.py``); None: unlimited
+        self.limits: VmmLimits | None = None
 
     # ---- process ------------------------------------------------------------------------------------
 
@@ -227,6 +230,7 @@ class FirecrackerDriver:
             pid_file=config.pid_file,
             spawner=self.spawner,
             key=config.name,
+            cgroup=self.limits.create(config.name, config.vcpus, config.mem_mib) if self.limits else None,
         ) as proc:
             await proc.wait_for_socket(paths.api_socket, self.start_timeout_s)
             api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)
@@ -250,7 +254,8 @@ class FirecrackerDriver:
         try:
             async with adopted_process(proc, log_path=config.workdir / "firecracker.stderr",
                                        sockets=[paths.api_socket], extra_logs=[paths.host_file("firecracker.log")],
-                                       pid_file=config.pid_file) as vp:
+                                       pid_file=config.pid_file,
+                                       cgroup=self.limits.cgroups.of(config.name) if self.limits else None) as vp:
                 api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)
                 try:
                     vm = FirecrackerVm(self, config, vp, api, paths, restored_from=restored_from)

@@ -74,6 +74,7 @@ from ..errors import (
     VmmStartError,
     VmmTimeout,
 )
+from ..cgroup import VmmLimits
 from ..process import ChildProcess, Spawner, VmmProcess, adopted_process, vmm_process
 from .qmp import QmpClient
 
@@ -125,6 +126,8 @@ class QemuDriver:
         self.op_timeout_s = op_timeout_s
         #: where VMM processes start (the node's data plane), None: as this process's children
         self.spawner: Spawner | None = None
+        #: each VMM in its own cgroup with these limits (``cgroup.py``); None: unlimited
+        self.limits: VmmLimits | None = None
 
     # ---- command line -------------------------------------------------------------------------------
 
@@ -302,7 +305,8 @@ class QemuDriver:
         running in ``proc``: its QMP socket is connected again (QEMU serves one client at a time; the dead
         node's connection is gone) and its run state read. Owned from here on as ``restore`` owns its VM."""
         async with adopted_process(proc, log_path=config.workdir / "qemu.log", sockets=[config.socket_path],
-                                   pid_file=config.pid_file) as vp:
+                                   pid_file=config.pid_file,
+                                   cgroup=self.limits.cgroups.of(config.name) if self.limits else None) as vp:
             qmp = await QmpClient.connect(config.socket_path)
             try:
                 vm = QemuVm(self, config, vp, qmp, mem_path=restored_from.memory, shared=False,
@@ -330,6 +334,7 @@ class QemuDriver:
             pid_file=config.pid_file,
             spawner=self.spawner,
             key=config.name,
+            cgroup=self.limits.create(config.name, config.vcpus, config.mem_mib) if self.limits else None,
         ) as proc:
             await proc.wait_for_socket(sock, self.start_timeout_s)
             try:
