@@ -105,7 +105,8 @@ def one_node(data_plane: bool, args: argparse.Namespace) -> dict[str, Any]:
         if not data_plane:
             return out
         sandboxes = [Sandbox.create(timeout=900) for _ in range(args.sandboxes)]
-        sleepers = {sb.sandbox_id: sb.commands.run("sleep 100000", background=True).pid for sb in sandboxes}
+        sleepers = {sb.sandbox_id: sb.commands.run("sleep 100000", background=True, timeout=0).pid
+                    for sb in sandboxes}
         plane = _dataplane_pid(node)
         out["dataplane_rss_mib"] = round(rss_mib(plane), 1)
         out["node_rss_mib"] = round(rss_mib(node.proc.pid), 1)
