@@ -7,7 +7,7 @@ runaway VMM (or a guest driving it hard) then hurts only its own sandbox.
 
 Each VMM gets ``<controller root>/aenv-<tag>/<vmm name>`` in each of the cpu, memory and pids controllers
 (cgroup v1, as this project's hosts have them; with the unified v2 hierarchy, one directory with the same three
-limits). The VMM joins it before it execs (the shell line ``join_script`` gives, run by the child itself), so
+limits). The node's ``aenv-<tag>`` exists only while it holds VMMs: the last one to go takes it along. The VMM joins it before it execs (the shell line ``join_script`` gives, run by the child itself), so
 no instant of it runs unlimited; the directory goes when the VMM has exited (``remove``). The name is the
 VMM's, so a node that takes a VMM over after a restart finds its cgroup again.
 
@@ -76,7 +76,9 @@ class VmmCgroup:
         return pids
 
     def remove(self, timeout_s: float = 5.0) -> None:
-        """Remove the directories (their VMM has exited; a moment may pass before the kernel lets go of it)."""
+        """Remove the directories (their VMM has exited; a moment may pass before the kernel lets go of it),
+        and the node's root above each when this was the last VMM in it (a root exists only while it holds
+        VMMs: a node that dies leaves none behind once its VMMs are gone)."""
         deadline = time.monotonic() + timeout_s
         for d in self.dirs:
             while True:
@@ -90,6 +92,10 @@ class VmmCgroup:
                         log.warning("removing cgroup %s failed: %s", d, exc)
                         break
                     time.sleep(0.05)
+            try:
+                os.rmdir(d.parent)
+            except OSError:  # another VMM of the node is in it (or it is gone already)
+                pass
 
 
 class Cgroups:
@@ -114,15 +120,23 @@ class Cgroups:
             version = 2
         else:
             raise CgroupError(f"no cgroup v1 cpu, memory and pids controllers and no cgroup v2 hierarchy at {base}")
-        try:
-            for root in roots:
-                root.mkdir(exist_ok=True)
-                if version == 2:
-                    (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in _CONTROLLERS))
-                    (root / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in _CONTROLLERS))
+        found = cls(roots, version)
+        try:  # can we? (the roots are made again by the first VMM that needs them)
+            found._ensure_roots()
         except OSError as exc:
             raise CgroupError(f"cannot set up the node's cgroups under {base}: {exc}") from exc
-        return cls(roots, version)
+        found.remove_roots()
+        return found
+
+    def _ensure_roots(self) -> None:
+        for root in self.roots:
+            if root.is_dir():
+                continue
+            root.mkdir(exist_ok=True)
+            if self.version == 2:
+                enable = " ".join(f"+{c}" for c in _CONTROLLERS)
+                (root.parent / "cgroup.subtree_control").write_text(enable)
+                (root / "cgroup.subtree_control").write_text(enable)
 
     def of(self, name: str) -> VmmCgroup:
         """The cgroup of the VMM named ``name`` (whether or not it exists)."""
@@ -136,7 +150,14 @@ class Cgroups:
         files = limits.files(self.version)
         try:
             for d in cg.dirs:
-                d.mkdir(exist_ok=True)
+                for attempt in range(3):  # a root the last VMM of the node just took with it is made again
+                    self._ensure_roots()
+                    try:
+                        d.mkdir(exist_ok=True)
+                        break
+                    except FileNotFoundError:
+                        if attempt == 2:
+                            raise
                 for fname, value in files.items():
                     target = d / fname
                     if target.exists():  # v1: each directory has only its own controller's files

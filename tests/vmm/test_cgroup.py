@@ -5,7 +5,8 @@ for a VMM (``vmm_process`` starts them as it starts a VMM):
   limits written, and the cgroup goes when the process is reaped;
 * the kernel enforces them: a memory hog past the limit is OOM-killed alone, a fork bomb runs into the task
   limit, a busy loop gets its CPU quota and no more;
-* a cgroup left by a node that crashed (no process in it) is swept, one with its VMM still running is kept.
+* a cgroup left by a node that crashed (no process in it) is swept, one with its VMM still running is kept;
+  the node's roots exist only while they hold a VMM.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ async def test_cgroups_left_by_a_crashed_node_are_swept_unless_their_vmm_runs(cg
         assert cgroups.leftovers() == ["aenv-alive"]
         assert not cgroups.remove_roots()  # a VMM is still in one: the roots stay
     assert cgroups.leftovers() == []
+    assert not any(root.exists() for root in cgroups.roots)  # the last VMM took them along
 
 
 def test_the_node_gives_its_vmms_limits_from_its_config(tmp_path: Path) -> None:
@@ -133,8 +135,10 @@ def test_the_node_gives_its_vmms_limits_from_its_config(tmp_path: Path) -> None:
             assert limits is None
             continue
         assert limits is not None
-        try:
-            assert limits.for_vm(2, 512) == ResourceLimits(cpus=3, memory_bytes=612 << 20, pids=77)
-            assert all(root.is_dir() for root in limits.cgroups.roots)
-        finally:
-            assert limits.cgroups.remove_roots()
+        assert limits.for_vm(2, 512) == ResourceLimits(cpus=3, memory_bytes=612 << 20, pids=77)
+        # the node's roots exist only while it holds VMMs: made by the first, taken along by the last
+        assert not any(root.exists() for root in limits.cgroups.roots)
+        cg = limits.create("aenv-only", vcpus=1, mem_mib=64)
+        assert all(root.is_dir() for root in limits.cgroups.roots)
+        cg.remove()
+        assert not any(root.exists() for root in limits.cgroups.roots)
