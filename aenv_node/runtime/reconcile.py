@@ -40,6 +40,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+import trio
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
@@ -166,6 +167,15 @@ def _settle_rows(s: Session, adopted: dict[str, Adoption]) -> list[tuple[str, st
     return republish
 
 
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has left its cgroups: it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class Reconciler:
     """The node's reconciler (``Node.reconcilers``); see the module docstring."""
 
@@ -180,6 +190,7 @@ class Reconciler:
         keep_slots = [a.slot.index for a in adopted.values()]
         await remove_orphans(p.netcfg, keep=keep_slots)
         # what the last run left goes first, whatever the rows below turn out to need: nothing else owns it
+        killed_pids: list[int] = []
         for sid, pid in found:
             if sid in adopted:
                 continue
@@ -194,6 +205,7 @@ class Reconciler:
                     pass
             if killed is not None:
                 log.warning("reconcile: killed leftover VMM %d of sandbox %s", killed, sid)
+                killed_pids.append(killed)
             if p.dataplane is not None:  # the disk it served goes with it
                 await p.dataplane.close_disk(sid)
             # its sockets and its writable upper died with it (a pause's state is in its snapshot)
@@ -217,6 +229,11 @@ class Reconciler:
                 error = f"{type(exc).__name__}: {exc}"
                 await p.db.run(record_unsettled, sid, error)
         removed = await remove_orphans(p.netcfg, keep=keep_slots)
+        if p.driver.limits is not None:  # the cgroups of the VMMs killed above (the start's sweep found them busy)
+            with trio.move_on_after(5):
+                while any(_exists(pid) for pid in killed_pids):
+                    await trio.sleep(0.05)
+            await trio.to_thread.run_sync(p.driver.limits.sweep)
         p.adoptions = adopted
         if removed or found:
             log.info("reconcile: %d sandboxes settled (%d to take over), %d orphan slots removed", len(found),

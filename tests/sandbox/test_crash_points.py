@@ -258,6 +258,11 @@ def check_invariants(rig: Rig, allowed: tuple[str, ...] = ("running", "paused", 
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     ours = [n for n in names if n.startswith(f"aenv-{rig.cfg_tag}-")]
     assert len(ours) <= 1 + len(running), ours
+    # cgroups (vmm.cgroups): of the sandboxes, only the running ones' VMMs have one
+    memcg = Path("/sys/fs/cgroup/memory") / f"aenv-{rig.cfg_tag}"
+    if memcg.is_dir():
+        groups = {d.name for d in memcg.iterdir() if d.is_dir()} & {f"aenv-{sid}" for sid, _, _ in rows}
+        assert groups <= {f"aenv-{sid}" for sid in running}, (groups, running)
     # no temporary file anywhere under the state directory: the start-up sweep removed the crash's, the
     # repository's collector the uploads it cut (once older than its grace), and those of the restarted
     # node's own background work (a publish, a compaction) go when it is done
