@@ -1,5 +1,4 @@
-"""The host side of the node's networking: checked and set up before any slot exists, torn down last (with
-the node's VMM cgroup roots, when no VMM is left in them).
+"""The host side of the node's networking: checked and set up before any slot exists, torn down last.
 
 The node owns a range of addresses (``net.pool_cidr``) and host-wide tables
 (NAT, isolation rules). Before it sets them up it refuses to start when
@@ -49,9 +48,6 @@ class HostNetwork:
                     log.info("host networking kept: %d VMMs run on in the data plane", running)
                 else:
                     await teardown_host_networking(self.parts.netcfg)
-                limits = self.parts.driver.limits
-                if limits is not None:  # kept while VMMs left running in the data plane are in them
-                    await trio.to_thread.run_sync(limits.cgroups.remove_roots)
 
     async def _left_running(self) -> int:
         """How many VMMs the data plane still runs (0 without one, or when it does not answer)."""

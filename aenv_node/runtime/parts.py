@@ -121,10 +121,8 @@ class NodeParts:
                                    pids=cfg.vmm.pids_max)
             except CgroupError as exc:
                 log.warning("VMMs run without resource limits: %s", exc)
-            else:
-                swept = limits.sweep()  # those of VMMs that ended with a crashed node
-                log.info("each VMM in its own cgroup (%s), %d left over removed", ", ".join(map(str, limits.cgroups.roots)),
-                         len(swept))
+            else:  # the cgroups a crash left are swept by the reconciler, once it killed their VMMs
+                log.info("each VMM in its own cgroup (%s)", ", ".join(map(str, limits.cgroups.roots)))
                 choice.driver.limits = limits
         return parts
 

@@ -229,7 +229,7 @@ class Reconciler:
                 error = f"{type(exc).__name__}: {exc}"
                 await p.db.run(record_unsettled, sid, error)
         removed = await remove_orphans(p.netcfg, keep=keep_slots)
-        if p.driver.limits is not None:  # the cgroups of the VMMs killed above (the start's sweep found them busy)
+        if p.driver.limits is not None:  # the cgroups a crash left, of the VMMs killed above among them
             with trio.move_on_after(5):
                 while any(_exists(pid) for pid in killed_pids):
                     await trio.sleep(0.05)
