@@ -8,22 +8,20 @@ Public face:
 * ``Slot`` + ``create_slot`` / ``destroy_slot`` / ``open_slot``: one slot.
 * ``list_slots`` / ``remove_orphans``: reconciliation after a crash.
 * ``SlotPool`` + ``IndexAllocator`` / ``MemoryIndexAllocator``: the warm pool.
-* ``EgressPolicy`` + ``apply_egress``: E2B allowOut / denyOut on a live slot.
-* ``ensure_host_networking`` / ``teardown_host_networking``: the host's forwarding, isolation and
-  masquerade (once per node start / stop).
+* ``EgressPolicy`` + ``apply_egress``: E2B allowOut / denyOut (addresses and domain names) on a live slot.
+* ``ensure_host_networking`` / ``teardown_host_networking``: the host's forwarding, isolation,
+  masquerade and redirections to the node's services (once per node start / stop).
+* ``DnsForwarder`` + ``Resolver``: the node's DNS for its guests; ``EgressProxy``: the domain check of
+  ``allowOut`` names (SNI / Host).
 
 Everything runs the ``ip``, ``nft``, ``nsenter`` (and optionally ``conntrack``) commands as root.
 """
 
-from .egress import (
-    ALL_TRAFFIC,
-    EgressPolicy,
-    EgressRule,
-    apply_egress,
-    ensure_host_networking,
-    teardown_host_networking,
-)
+from .dns import DnsForwarder, Resolver, host_nameservers
+from .egress import ALL_TRAFFIC, DomainRule, EgressPolicy, EgressRule, apply_egress
+from .egress_proxy import EgressProxy
 from .errors import EgressPolicyError, NetCommandError, NetError, PoolExhausted, SlotError
+from .host_table import ensure_host_networking, teardown_host_networking
 from .pool import IndexAllocator, MemoryIndexAllocator, SlotPool
 from .slot import (
     DEFAULT_BLOCKED_CIDRS,
@@ -40,8 +38,11 @@ from .slot import (
 __all__ = [
     "ALL_TRAFFIC",
     "DEFAULT_BLOCKED_CIDRS",
+    "DnsForwarder",
+    "DomainRule",
     "EgressPolicy",
     "EgressPolicyError",
+    "EgressProxy",
     "EgressRule",
     "FoundSlot",
     "IndexAllocator",
@@ -50,6 +51,7 @@ __all__ = [
     "NetError",
     "NetworkConfig",
     "PoolExhausted",
+    "Resolver",
     "Slot",
     "SlotError",
     "SlotPool",
@@ -57,6 +59,7 @@ __all__ = [
     "create_slot",
     "destroy_slot",
     "ensure_host_networking",
+    "host_nameservers",
     "list_slots",
     "open_slot",
     "remove_orphans",

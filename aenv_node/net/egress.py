@@ -1,26 +1,33 @@
-"""Egress: the allow/deny policy of one sandbox, and the host's forwarding + masquerade.
+"""Egress: the allow/deny policy of one sandbox, as rules of its slot's namespace.
 
 Two places decide whether a guest packet leaves the node:
 
-* the **slot's own namespace** (table ``inet aenv``, chain ``egress_user``): the sandbox's E2B policy
-  (``allowOut`` / ``denyOut`` / ``allow_internet_access``), plus ranges that are always blocked
-  (private networks, link-local, the slot pool itself: other sandboxes and the host's veth ends).
-  The policy is evaluated for *every* packet the guest sends, not only for new connections, so an
-  update (``PUT /sandboxes/{id}/network``) takes effect on live connections at once without having to
-  flush connection tracking. An update is one atomic ``nft -f`` transaction: there is no instant
-  with a half-applied policy.
-* the **host** (table ``inet aenv_<node-tag>``): the node-wide egress switch, forwarding only to the
-  configured uplinks, masquerade of the pool behind the uplink's address, and isolation that holds
-  even if a slot's own rules were wrong: nothing forwarded between slots, nothing new forwarded *into*
-  a slot, and nothing from a slot delivered to the host itself (the node's API listens on 0.0.0.0).
+* the **slot's own namespace** (table ``inet aenv``, chains ``egress_user`` and ``egress_redirect``):
+  the sandbox's E2B policy (``allowOut`` / ``denyOut`` / ``allow_internet_access``), plus ranges that
+  are always blocked (private networks, link-local, the slot pool itself: other sandboxes and the
+  host's veth ends). The policy is evaluated for *every* packet the guest sends, not only for new
+  connections, so an update (``PUT /sandboxes/{id}/network``) takes effect on live connections at
+  once without having to flush connection tracking. An update is one atomic ``nft -f`` transaction:
+  there is no instant with a half-applied policy.
+* the **host** (table ``inet aenv_<node-tag>``, ``host_table.py``): the node-wide egress switch,
+  forwarding only to the configured uplinks, masquerade, isolation that holds even if a slot's own
+  rules were wrong, and the redirection of guest DNS and domain-checked connections to the node's
+  own DNS forwarder and egress proxy.
 
 E2B semantics (e2b ``SandboxNetworkConfig``): ``allowOut`` entries win over ``denyOut``; with no
 ``denyOut`` everything not always-blocked is allowed; ``allow_internet_access=false`` means
-``denyOut: ["0.0.0.0/0"]``. Entries are IPv4 addresses or CIDRs, optionally with ``:port`` or
-``:low-high`` (then they match TCP and UDP to those ports only). Domain names in ``allowOut`` cannot be
-enforced by a packet filter (that needs an SNI/DNS-aware proxy, which this node does not have): they
-are kept in ``EgressPolicy.unenforced_domains``, fail closed (the domain stays blocked if ``denyOut``
-blocks it), and open only the DNS servers, as E2B does; ``strict=True`` rejects them instead.
+``denyOut: ["0.0.0.0/0"]``. Address entries are IPv4 addresses or CIDRs, optionally with ``:port`` or
+``:low-high`` (then they match TCP and UDP to those ports only).
+
+Domain entries (``example.com``, ``*.example.com``; optionally ``:port`` / ``:low-high``) are allowed
+by name, not by address: a TCP connection the address rules would deny, to a port a domain entry
+names (80 and 443 when it names none, as E2B), is redirected to the node's egress proxy
+(``egress_proxy.py``). The proxy reads the name the guest asks for (the SNI of a TLS ClientHello, the
+``Host`` of an HTTP request), and when a domain entry allows it, resolves the name itself and connects
+there: a guest cannot reach another address by claiming an allowed name. Anything else, and every
+other protocol or port, stays under the address rules. Without a proxy on the node (egress off) a
+domain entry opens nothing (fail closed). When domains are given, the DNS servers (default 8.8.8.8)
+are allowed by address as well, as E2B does.
 """
 
 from __future__ import annotations
@@ -31,31 +38,48 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import trio
-
-from ._cmd import run, run_in_netns
-from .errors import EgressPolicyError, NetCommandError
+from ._cmd import run_in_netns
+from .errors import EgressPolicyError
 
 if TYPE_CHECKING:
     from .slot import NetworkConfig, Slot
 
 __all__ = [
+    "blocked_set",
     "ALL_TRAFFIC",
     "DEFAULT_DNS_SERVERS",
+    "DEFAULT_DOMAIN_PORTS",
+    "DomainRule",
     "EgressRule",
     "EgressPolicy",
     "apply_egress",
     "egress_chain_rules",
-    "ensure_host_networking",
-    "teardown_host_networking",
-    "host_table_name",
+    "redirect_chain_rules",
 ]
 
 ALL_TRAFFIC = "0.0.0.0/0"
 DEFAULT_DNS_SERVERS = ("8.8.8.8",)
+#: the ports a domain entry without a port of its own opens: HTTP (by Host) and TLS (by SNI), as E2B
+DEFAULT_DOMAIN_PORTS: tuple[tuple[int, int], ...] = ((80, 80), (443, 443))
 
 _PORTS = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?$")
 _DOMAIN = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}\.?$", re.IGNORECASE)
+
+
+def _parse_ports(entry: str, port_text: str) -> tuple[int, int]:
+    m = _PORTS.match(port_text)
+    if not m:
+        raise EgressPolicyError(f"bad port range in egress entry {entry!r}: use PORT or LOW-HIGH")
+    lo = int(m.group(1))
+    hi = int(m.group(2) or lo)
+    if not (1 <= lo <= hi <= 65535):
+        raise EgressPolicyError(f"bad port range in egress entry {entry!r}: ports are 1-65535, low <= high")
+    return lo, hi
+
+
+def _port_text(ports: tuple[int, int]) -> str:
+    lo, hi = ports
+    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 @dataclass(frozen=True, order=True)
@@ -72,14 +96,7 @@ class EgressRule:
         host = text
         if text.count(":") == 1:  # "addr[/len]:port[-port]"; more colons would be IPv6
             host, port_text = text.split(":")
-            m = _PORTS.match(port_text)
-            if not m:
-                raise EgressPolicyError(f"bad port range in egress entry {entry!r}: use PORT or LOW-HIGH")
-            lo = int(m.group(1))
-            hi = int(m.group(2) or lo)
-            if not (1 <= lo <= hi <= 65535):
-                raise EgressPolicyError(f"bad port range in egress entry {entry!r}: ports are 1-65535, low <= high")
-            ports = (lo, hi)
+            ports = _parse_ports(entry, port_text)
         try:
             net = ipaddress.ip_network(host, strict=False)
         except ValueError:
@@ -93,15 +110,47 @@ class EgressRule:
     def nft_match(self) -> str:
         m = f"ip daddr {self.network}"
         if self.ports is not None:
-            lo, hi = self.ports
-            m += f" meta l4proto {{ tcp, udp }} th dport {lo if lo == hi else f'{lo}-{hi}'}"
+            m += f" meta l4proto {{ tcp, udp }} th dport {_port_text(self.ports)}"
         return m
 
     def __str__(self) -> str:
         if self.ports is None:
             return str(self.network)
-        lo, hi = self.ports
-        return f"{self.network}:{lo if lo == hi else f'{lo}-{hi}'}"
+        return f"{self.network}:{_port_text(self.ports)}"
+
+
+@dataclass(frozen=True)
+class DomainRule:
+    """A name in ``allowOut``: ``example.com`` (that name only) or ``*.example.com`` (any name below it,
+    not ``example.com`` itself), on the TCP ports ``ports`` (default: 80 and 443)."""
+
+    pattern: str
+    ports: tuple[int, int] | None = None
+
+    @classmethod
+    def parse(cls, entry: str) -> DomainRule | None:
+        """The rule of ``entry``, or None when it is not a domain name (an address is an ``EgressRule``)."""
+        text = entry.strip()
+        name, _, port_text = text.partition(":")
+        if not _DOMAIN.match(name):
+            return None
+        return cls(name.lower().rstrip("."), _parse_ports(entry, port_text) if port_text else None)
+
+    @property
+    def port_ranges(self) -> tuple[tuple[int, int], ...]:
+        return DEFAULT_DOMAIN_PORTS if self.ports is None else (self.ports,)
+
+    def matches(self, name: str, port: int) -> bool:
+        """Whether a connection to ``port`` asking for ``name`` (SNI / Host, any case) is allowed."""
+        if not any(lo <= port <= hi for lo, hi in self.port_ranges):
+            return False
+        name = name.lower().rstrip(".")
+        if self.pattern.startswith("*."):
+            return name.endswith(self.pattern[1:]) and len(name) > len(self.pattern) - 1
+        return name == self.pattern
+
+    def __str__(self) -> str:
+        return self.pattern if self.ports is None else f"{self.pattern}:{_port_text(self.ports)}"
 
 
 @dataclass(frozen=True)
@@ -110,7 +159,7 @@ class EgressPolicy:
 
     allow: tuple[EgressRule, ...] = ()
     deny: tuple[EgressRule, ...] = ()
-    unenforced_domains: tuple[str, ...] = ()
+    domains: tuple[DomainRule, ...] = ()
 
     @classmethod
     def from_e2b(
@@ -120,34 +169,24 @@ class EgressPolicy:
         *,
         allow_internet_access: bool | None = None,
         dns_servers: Iterable[str] | None = None,
-        strict: bool = False,
     ) -> EgressPolicy:
         """Build a policy from the E2B fields (``network.allowOut``, ``network.denyOut``,
         ``network.dnsServers``, ``allow_internet_access`` / ``allowInternetAccess``)."""
         allow: list[EgressRule] = []
-        domains: list[str] = []
+        domains: list[DomainRule] = []
         for entry in allow_out or ():
-            try:
+            domain = DomainRule.parse(entry)
+            if domain is not None:
+                domains.append(domain)
+            else:
                 allow.append(EgressRule.parse(entry))
-            except EgressPolicyError:
-                if not _DOMAIN.match(entry.strip()):
-                    raise
-                if strict:
-                    raise EgressPolicyError(
-                        f"allowOut entry {entry!r} is a domain name; this node filters by address only: "
-                        "give IPv4 addresses or CIDRs"
-                    ) from None
-                domains.append(entry.strip().lower())
         deny: list[EgressRule] = []
         for entry in deny_out or ():
-            try:
-                deny.append(EgressRule.parse(entry))
-            except EgressPolicyError as e:
-                if _DOMAIN.match(entry.strip()):
-                    raise EgressPolicyError(
-                        f"denyOut entry {entry!r} is a domain name; deny rules take IPv4 addresses or CIDRs only"
-                    ) from e
-                raise
+            if DomainRule.parse(entry) is not None:
+                raise EgressPolicyError(
+                    f"denyOut entry {entry!r} is a domain name; deny rules take IPv4 addresses or CIDRs only"
+                )
+            deny.append(EgressRule.parse(entry))
         if allow_internet_access is False:
             deny.append(EgressRule(ipaddress.IPv4Network(ALL_TRAFFIC)))
         if domains:
@@ -157,6 +196,15 @@ class EgressPolicy:
                     raise EgressPolicyError(f"dnsServers entry {server!r} must be a single IPv4 address")
                 allow.append(rule)
         return cls(tuple(_dedupe(allow)), tuple(_dedupe(deny)), tuple(dict.fromkeys(domains)))
+
+    def allows_name(self, name: str, port: int) -> bool:
+        """Whether a domain entry lets a TCP connection asking for ``name`` to ``port`` through."""
+        return any(d.matches(name, port) for d in self.domains)
+
+    @property
+    def domain_ports(self) -> tuple[tuple[int, int], ...]:
+        """The TCP port ranges the domain entries name (redirected to the proxy when denied by address)."""
+        return tuple(dict.fromkeys(r for d in self.domains for r in d.port_ranges))
 
     @classmethod
     def from_e2b_json(
@@ -197,7 +245,7 @@ class EgressPolicy:
     def to_e2b(self) -> dict[str, list[str]]:
         """The policy as E2B's ``network`` fields (for GET /sandboxes/{id})."""
         return {
-            "allowOut": [str(r) for r in self.allow] + list(self.unenforced_domains),
+            "allowOut": [str(r) for r in self.allow] + [str(d) for d in self.domains],
             "denyOut": [str(r) for r in self.deny],
         }
 
@@ -227,10 +275,33 @@ def egress_chain_rules(policy: EgressPolicy) -> list[str]:
     return rules
 
 
-def egress_update_script(policy: EgressPolicy, *, replace: bool = True) -> str:
+def redirect_chain_rules(policy: EgressPolicy, proxy_address: str | None) -> list[str]:
+    """The rules of a slot's ``egress_redirect`` chain (nat, before routing): a new TCP connection the
+    address rules would drop, to a port a domain entry names, goes to ``proxy_address`` (the slot's
+    host end, where the host redirects it to the node's egress proxy; the port is kept, so the proxy
+    learns it). Always-blocked destinations and allowed addresses are never redirected. No rules
+    without domain entries, without deny rules (then nothing is dropped) or without a proxy."""
+    if not policy.domains or not policy.deny or proxy_address is None:
+        return []
+    ports = "{ " + ", ".join(_port_text(r) for r in policy.domain_ports) + " }"
+    to = f"dnat ip to {proxy_address}"
+    rules = ["ip daddr @blocked return"]
+    whole = [r.network for r in policy.allow if r.ports is None]
+    if whole:
+        rules.append(f"ip daddr {_addr_set(whole)} return")
+    rules.extend(f"{r.nft_match()} return" for r in policy.allow if r.ports is not None)
+    denied = [r.network for r in policy.deny if r.ports is None]
+    if denied:
+        rules.append(f"tcp dport {ports} ip daddr {_addr_set(denied)} {to}")
+    rules.extend(f"{r.nft_match()} tcp dport {ports} {to}" for r in policy.deny if r.ports is not None)
+    return rules
+
+
+def egress_update_script(policy: EgressPolicy, proxy_address: str | None, *, replace: bool = True) -> str:
     """An ``nft -f`` transaction setting the policy of a slot's namespace atomically."""
-    lines = ["flush chain inet aenv egress_user"] if replace else []
+    lines = ["flush chain inet aenv egress_user", "flush chain inet aenv egress_redirect"] if replace else []
     lines += [f"add rule inet aenv egress_user {r}" for r in egress_chain_rules(policy)]
+    lines += [f"add rule inet aenv egress_redirect {r}" for r in redirect_chain_rules(policy, proxy_address)]
     return "\n".join(lines) + "\n"
 
 
@@ -246,110 +317,11 @@ async def apply_egress(slot: Slot, policy: EgressPolicy, *, replace: bool = True
     await run_in_netns(
         slot.netns,
         ["nft", "-f", "-"],
-        stdin=egress_update_script(policy, replace=replace).encode(),
+        stdin=egress_update_script(policy, slot.proxy_address, replace=replace).encode(),
         context=f"applying the egress policy of slot {slot.index}",
     )
 
 
-# --- host side -------------------------------------------------------------------------------
-
-
-def host_table_name(node_tag: str) -> str:
-    return f"aenv_{node_tag}"
-
-
-def _host_ruleset(config: NetworkConfig) -> str:
-    table = host_table_name(config.node_tag)
-    slots = f'"{config.host_veth_prefix}*"'
-    pool = config.pool
-    if config.egress:
-        if config.uplinks:
-            uplinks = "{ " + ", ".join(f'"{u}"' for u in config.uplinks) + " }"
-            egress = [f"iifname {slots} oifname {uplinks} accept"]
-            masq = f"ip saddr {pool} oifname {uplinks} masquerade"
-        else:
-            egress = [f"iifname {slots} accept"]
-            masq = f"ip saddr {pool} oifname != {slots} masquerade"
-    else:
-        egress = []
-        masq = ""
-    fwd = [
-        # no sandbox reaches another sandbox (whatever its own namespace says)
-        f"iifname {slots} oifname {slots} drop",
-        # nothing new is forwarded into a slot: replies only (the host's own connections to a guest
-        # are not forwarded, they leave from the host itself)
-        f"oifname {slots} ct state established,related accept",
-        f"oifname {slots} drop",
-        f"iifname {slots} ip daddr {pool} drop",
-        f"iifname {slots} ip saddr != {pool} drop",  # spoofed (each slot also checks its guest)
-        f"iifname {slots} meta nfproto ipv6 drop",
-        *egress,
-        f"iifname {slots} drop",
-    ]
-    inp = [
-        # a sandbox never reaches the host itself (node API, host veth addresses, any host address);
-        # replies to connections the host opened (the node's proxy to a guest port) come back
-        f"iifname {slots} ct state established,related accept",
-        f"iifname {slots} drop",
-    ]
-    body = "\n".join(
-        [
-            f"table inet {table} {{",
-            "  chain forward {",
-            "    type filter hook forward priority filter; policy accept;",
-            *(f"    {r}" for r in fwd),
-            "  }",
-            "  chain input {",
-            "    type filter hook input priority filter; policy accept;",
-            *(f"    {r}" for r in inp),
-            "  }",
-            "  chain postrouting {",
-            "    type nat hook postrouting priority srcnat; policy accept;",
-            *([f"    {masq}"] if masq else []),
-            "  }",
-            "}",
-        ]
-    )
-    # add + delete + add in one transaction: atomic replace, and idempotent
-    return f"add table inet {table}\ndelete table inet {table}\n{body}\n"
-
-
-async def ensure_host_networking(config: NetworkConfig) -> None:
-    """Set up the host side for the node's slots: IPv4 forwarding (with egress), and table
-    ``inet aenv_<tag>`` with forward / input / postrouting chains (isolation, the egress switch,
-    masquerade). Idempotent: calling it again replaces the table atomically (e.g. after a config
-    change).
-
-    With egress on, ``net.ipv4.ip_forward`` is switched on (for the whole host: an operator who
-    needs forwarding off for everything else should say so in the uplink firewall) and never
-    switched back off by the node, since other software on the host may rely on it. With egress
-    off it is left alone: the host reaching guests is not forwarding (those packets leave from the
-    host itself).
-    """
-    if config.egress:
-        await trio.Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
-    await run(
-        ["nft", "-f", "-"],
-        stdin=_host_ruleset(config).encode(),
-        context="setting up the host networking of the node's sandboxes",
-    )
-
-
-async def teardown_host_networking(config: NetworkConfig) -> None:
-    """Remove the host table of this node. Idempotent."""
-    await run(
-        ["nft", "delete", "table", "inet", host_table_name(config.node_tag)],
-        ok_if=("No such file or directory",),
-        context="removing the host networking of the node's sandboxes",
-    )
-
-
-async def host_networking_present(config: NetworkConfig) -> bool:
-    try:
-        await run(["nft", "list", "table", "inet", host_table_name(config.node_tag)])
-    except NetCommandError:
-        return False
-    return True
 
 
 def blocked_set(config: NetworkConfig, extra: Sequence[ipaddress.IPv4Network] = ()) -> str:

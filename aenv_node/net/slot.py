@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ._cmd import IGNORED_ON_DELETE, netns_path, run, run_in_netns, which
-from .egress import EgressPolicy, apply_egress, blocked_set, egress_chain_rules
+from .egress import EgressPolicy, apply_egress, blocked_set, egress_chain_rules, redirect_chain_rules
 from .errors import NetCommandError, NetError, SlotError
 
 __all__ = [
@@ -82,7 +82,9 @@ class NetworkConfig:
     ``node_tag`` makes every name unique per node on a host and recognisable for reconciliation.
     ``uplinks``: interfaces guest traffic may leave the host by (empty: any interface but the
     slots'); the tests give their own fake "internet" link here so nothing can ever reach a real
-    network.
+    network. ``dns_port`` / ``proxy_port``: where the node's DNS forwarder and egress proxy listen on
+    the host (None: the node runs none; guest DNS then goes out as any traffic, domain entries open
+    nothing). Slots made with a DNS port send every guest DNS packet (port 53) to it.
     """
 
     node_tag: str
@@ -96,6 +98,8 @@ class NetworkConfig:
     guest_prefixlen: int = 30
     guest_mac: str = "02:ae:00:00:00:21"
     tap_mac: str = "02:ae:00:00:00:22"
+    dns_port: int | None = None
+    proxy_port: int | None = None
     pool: ipaddress.IPv4Network = field(init=False, repr=False, compare=False)
     blocked: tuple[ipaddress.IPv4Network, ...] = field(init=False, repr=False, compare=False)
 
@@ -144,6 +148,19 @@ class NetworkConfig:
         size = 1 << (32 - self.slot_prefixlen)
         base = int(self.pool.network_address) + index * size
         return ipaddress.IPv4Network((base, self.slot_prefixlen))
+
+    def slot_of_address(self, address: str) -> int | None:
+        """The index of the slot whose namespace end is ``address`` (where its guest's traffic comes
+        from, after the slot's source NAT), or None when no slot of this pool has that address."""
+        try:
+            ip = ipaddress.IPv4Address(address)
+        except ValueError:
+            return None
+        if ip not in self.pool:
+            return None
+        offset = int(ip) - int(self.pool.network_address)
+        index, host = divmod(offset, 1 << (32 - self.slot_prefixlen))
+        return index if host == 2 else None
 
     def slot(self, index: int, *, test_guest_netns: str | None = None) -> Slot:
         """The description of slot ``index`` (nothing is created)."""
@@ -203,6 +220,11 @@ class Slot:
         return self.ns_ip
 
     @property
+    def proxy_address(self) -> str | None:
+        """Where the slot sends connections for a domain check (its host end), None: no proxy."""
+        return self.host_ip if self.config.proxy_port is not None else None
+
+    @property
     def netns_path(self) -> str:
         return netns_path(self.netns)
 
@@ -229,6 +251,9 @@ def _slot_ruleset(slot: Slot, policy: EgressPolicy) -> str:
     cfg = slot.config
     tap, veth = f'"{slot.tap}"', f'"{slot.ns_veth}"'
     egress = "\n".join(f"    {r}" for r in egress_chain_rules(policy))
+    redirect = "\n".join(f"    {r}" for r in redirect_chain_rules(policy, slot.proxy_address))
+    dns = (f'    iifname {tap} meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {slot.host_ip}\n'
+           if cfg.dns_port is not None else "")
     return f"""\
 table inet aenv {{
   set blocked {{
@@ -237,6 +262,9 @@ table inet aenv {{
   }}
   chain egress_user {{
 {egress}
+  }}
+  chain egress_redirect {{
+{redirect}
   }}
   chain forward {{
     type filter hook forward priority filter; policy drop;
@@ -256,6 +284,7 @@ table inet aenv {{
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname {veth} ip daddr {slot.ns_ip} dnat ip to {slot.guest_ip}
+{dns}    iifname {tap} jump egress_redirect
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;

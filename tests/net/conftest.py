@@ -102,9 +102,13 @@ class Lab:
 
     async def serve(self, netns: str | None, name: str, ports: tuple[int, ...] = (0,)) -> list[int]:
         """Start a probe server in ``netns`` (None: the host) on 0.0.0.0; return its ports."""
+        return await self.probe_server(netns, "serve", name, *map(str, ports))
+
+    async def probe_server(self, netns: str | None, *args: str) -> list[int]:
+        """Start ``nsprobe.py ARGS`` (a server) in ``netns`` (None: the host); return the ports it says."""
         prefix = [] if netns is None else ["nsenter", f"--net=/run/netns/{netns}", "--"]
         proc = await trio.lowlevel.open_process(
-            [*prefix, sys.executable, PROBE, "serve", name, *map(str, ports)],
+            [*prefix, sys.executable, PROBE, *args],
             stdout=subprocess.PIPE,
         )
         self._procs.append(proc)
@@ -123,9 +127,14 @@ class Lab:
         self, netns: str | None, host: str, port: int, timeout: float = 1.0, *, src: str | None = None
     ) -> str | None:
         """Connect from ``netns`` (None: the host); the server's answer, or None if unreachable."""
+        return await self.probe(netns, "connect", host, str(port), str(timeout), *([src] if src else []))
+
+    async def probe(self, netns: str | None, *args: str) -> str | None:
+        """Run ``nsprobe.py ARGS`` (a client) in ``netns`` (None: the host): what it printed, or None when
+        it failed."""
         prefix = [] if netns is None else ["nsenter", f"--net=/run/netns/{netns}", "--"]
         res = await trio.run_process(
-            [*prefix, sys.executable, PROBE, "connect", host, str(port), str(timeout), *([src] if src else [])],
+            [*prefix, sys.executable, PROBE, *args],
             capture_stdout=True,
             capture_stderr=True,
             check=False,

@@ -43,16 +43,39 @@ def test_e2b_fields() -> None:
     assert p.internet  # something is allowed
     assert not EgressPolicy.from_e2b(allow_internet_access=False).internet
     assert EgressPolicy().internet and EgressPolicy.from_e2b(allow_internet_access=True) == EgressPolicy()
-    # domains: kept (not enforceable by address), fail closed, open the DNS servers
-    d = EgressPolicy.from_e2b(allow_out=["Example.com", "*.foo.org"], deny_out=[ALL_TRAFFIC])
-    assert d.unenforced_domains == ("example.com", "*.foo.org")
+    # domains: checked by name (the egress proxy), and they open the DNS servers by address (as E2B)
+    d = EgressPolicy.from_e2b(allow_out=["Example.com", "*.foo.org", "api.x.io:8443"], deny_out=[ALL_TRAFFIC])
+    assert [str(r) for r in d.domains] == ["example.com", "*.foo.org", "api.x.io:8443"]
+    assert d.domain_ports == ((80, 80), (443, 443), (8443, 8443))
     assert [str(r) for r in d.allow] == ["8.8.8.8/32"]
     assert EgressPolicy.from_e2b(allow_out=["a.com"], dns_servers=[]).allow == ()
-    assert d.to_e2b() == {"allowOut": ["8.8.8.8/32", "example.com", "*.foo.org"], "denyOut": ["0.0.0.0/0"]}
-    with pytest.raises(EgressPolicyError, match="address only"):
-        EgressPolicy.from_e2b(allow_out=["example.com"], strict=True)
+    assert d.to_e2b() == {"allowOut": ["8.8.8.8/32", "example.com", "*.foo.org", "api.x.io:8443"],
+                          "denyOut": ["0.0.0.0/0"]}
     with pytest.raises(EgressPolicyError, match="deny rules"):
         EgressPolicy.from_e2b(deny_out=["example.com"])
+    with pytest.raises(EgressPolicyError, match="bad port range"):
+        EgressPolicy.from_e2b(allow_out=["example.com:0"])
+
+
+@pytest.mark.parametrize(
+    "entry,name,port,allowed",
+    [
+        ("example.com", "example.com", 443, True),
+        ("example.com", "EXAMPLE.com.", 80, True),
+        ("example.com", "example.com", 8080, False),  # 80 and 443 only, unless the entry names a port
+        ("example.com", "www.example.com", 443, False),
+        ("example.com", "badexample.com", 443, False),
+        ("*.example.com", "www.example.com", 443, True),
+        ("*.example.com", "a.b.example.com", 80, True),
+        ("*.example.com", "example.com", 443, False),  # the apex is not below itself
+        ("*.example.com", "wwwexample.com", 443, False),
+        ("example.com:8000-8100", "example.com", 8080, True),
+        ("example.com:8000-8100", "example.com", 443, False),
+    ],
+)
+def test_domain_entries_match_names(entry: str, name: str, port: int, allowed: bool) -> None:
+    policy = EgressPolicy.from_e2b(allow_out=[entry], deny_out=[ALL_TRAFFIC])
+    assert policy.allows_name(name, port) is allowed
 
 
 def test_from_e2b_json_bodies() -> None:
