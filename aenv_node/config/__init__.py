@@ -18,6 +18,7 @@ keeps the two in step).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -92,6 +93,11 @@ class VmmSection:
     cgroups: bool = True
     memory_overhead_mib: int = 512
     pids_max: int = 1024
+    jailer: bool = False
+    jailer_binary: str = "/opt/aenv/bin/jailer"
+    jailer_uid: int = 65534
+    jailer_gid: int = 65534
+    jailer_chroot_base: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,10 @@ class NetSection:
     pool_cidr: str = "10.11.0.0/16"
     warm_slots: int = 2
     egress: bool = True
+    dns_port: int = 10053
+    egress_proxy_port: int = 10080
+    dns_upstreams: tuple[str, ...] = ()
+    uplinks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,6 +233,12 @@ class Config:
     def templates_dir(self) -> Path:
         """Snapshot files (vmstate, memory images) of templates and sandboxes."""
         return self.state_dir / "snapshots"
+
+    @property
+    def jailer_chroot_base(self) -> Path:
+        """Where the jailer makes each Firecracker's chroot: by default in the state directory, on the filesystem
+        of the snapshots (a jailed capture is renamed out of its chroot, and inputs are hard-linked in)."""
+        return Path(self.vmm.jailer_chroot_base or self.state_dir / "jailer")
 
     @property
     def run_dir(self) -> Path:
@@ -409,3 +425,38 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("config snapshot.publish_retry_interval_s must be >= 0")
     if cfg.snapshot.capture_buffer_mib < 0 or cfg.snapshot.capture_buffers < 0:
         raise ConfigError("config snapshot: capture_buffer_mib and capture_buffers must be >= 0")
+    net = cfg.net
+    for key, port in (("dns_port", net.dns_port), ("egress_proxy_port", net.egress_proxy_port)):
+        if not 0 <= port < 65536:
+            raise ConfigError(f"config net.{key}: {port} is not a port (1-65535, or 0 for none)")
+    if net.dns_port and net.dns_port == net.egress_proxy_port:
+        raise ConfigError("config net: dns_port and egress_proxy_port must differ")
+    for upstream in net.dns_upstreams:
+        host, _, port_text = upstream.partition(":")
+        try:
+            ipaddress.IPv4Address(host)
+            if port_text and not 0 < int(port_text) < 65536:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"config net.dns_upstreams: {upstream!r} is not IPV4[:PORT]") from None
+    _validate_jailer(cfg.vmm)
+
+
+def _validate_jailer(vm: VmmSection) -> None:
+    for key in ("jailer_uid", "jailer_gid"):
+        value = getattr(vm, key)
+        if not 0 < value < 2**32 - 1:
+            raise ConfigError(f"config vmm.{key}: {value} is not an unprivileged id (1 to 4294967294; 0 would leave "
+                              "Firecracker root in its jail)")
+    if vm.jailer_chroot_base and not Path(vm.jailer_chroot_base).is_absolute():
+        raise ConfigError(f"config vmm.jailer_chroot_base: {vm.jailer_chroot_base!r} is not an absolute path")
+    if not vm.jailer:
+        return
+    if vm.kind == "qemu":
+        raise ConfigError("config vmm.jailer: the jailer runs Firecracker only, and vmm.kind is qemu")
+    if not (os.path.isfile(vm.jailer_binary) and os.access(vm.jailer_binary, os.X_OK)):
+        raise ConfigError(f"config vmm.jailer_binary: {vm.jailer_binary!r} is not an executable file "
+                          "(scripts/setup.d/30-firecracker.sh installs it)")
+    if "firecracker" not in Path(vm.firecracker_binary).name:
+        raise ConfigError(f"config vmm.firecracker_binary: {vm.firecracker_binary!r}: the jailer runs only a binary "
+                          "whose file name contains 'firecracker'")

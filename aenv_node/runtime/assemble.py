@@ -10,6 +10,7 @@ slots                 the warm pool of network slots
 local-gc              start-up sweep, then a collection per request
 snapshot-operations   publishes and compactions after pauses
 sandboxes             the nursery every running sandbox is a task in
+guest-network         the DNS forwarder and egress proxy the guests use (with egress)
 templates             the default template kept built for the current kit
 ttl                   pauses or kills sandboxes at their end
 periodic-snapshots    a snapshot of every running sandbox per interval
@@ -22,6 +23,7 @@ It returns the ``SandboxService`` the API serves (the API server goes last).
 from __future__ import annotations
 
 from ..snapshot.operations import SnapshotOperations
+from .guest_network import GuestNetwork
 from .host import HostNetwork
 from .housekeeping import LocalGc, RepositoryGc, RowExpiry
 from .lifetimes import PeriodicSnapshots, TtlWheel
@@ -51,7 +53,8 @@ def install_sandbox_services(node: Node, *, build_default_template: bool = True)
     service = SandboxService(node, parts, registry, ops, templates)
     node.reconcilers.append(Reconciler(parts, ops))
     node.services.extend([
-        HostNetwork(parts), StorageService(parts), SlotService(parts), LocalGc(parts), ops, registry, templates,
+        HostNetwork(parts), StorageService(parts), SlotService(parts), LocalGc(parts), ops, registry,
+        GuestNetwork(parts, registry), templates,
         TtlWheel(service), PeriodicSnapshots(service), RepositoryGc(parts), RowExpiry(parts),
     ])
     return service

@@ -28,7 +28,7 @@ from ..state import Database
 from ..storage.cache import LayerCache
 from ..storage.frontends import DiskFrontend, FrontendKind, choose_frontend
 from ..storage.repository import Repository, repository_from_config
-from ..vmm import Accel, CgroupError, Cgroups, VmmDriver, VmmLimits, make_driver
+from ..vmm import Accel, CgroupError, Cgroups, JailerConfig, VmmDriver, VmmLimits, make_driver
 from ..vmm.capture_buffer import CaptureBufferPool
 from .errors import NodeNotReady
 from .sandbox import Adoption
@@ -48,6 +48,35 @@ def node_tag(cfg: Config) -> str:
 def _which(binary: str) -> Path:
     found = shutil.which(binary)
     return Path(found) if found else Path(binary)
+
+
+def _jailer(cfg: Config) -> Optional[JailerConfig]:
+    """The jailer's settings (``vmm.jailer*``), or None when Firecracker runs unjailed."""
+    if not cfg.vmm.jailer:
+        return None
+    return JailerConfig(binary=Path(cfg.vmm.jailer_binary), chroot_base=cfg.jailer_chroot_base,
+                        uid=cfg.vmm.jailer_uid, gid=cfg.vmm.jailer_gid)
+
+
+def _filesystem(path: Path) -> int:
+    """The device of the filesystem ``path`` is (or would be made) on: its nearest existing ancestor's."""
+    for p in (path, *path.parents):
+        try:
+            return p.stat().st_dev
+        except FileNotFoundError:
+            continue
+    raise ConfigError(f"no part of {path} exists")
+
+
+def _check_jailer(cfg: Config, driver: VmmDriver, jailer: JailerConfig) -> None:
+    """Refuse, at start, a jailer that could not do its work (instead of failing every sandbox later)."""
+    if driver.name != "firecracker":
+        raise ConfigError(f"vmm.jailer = true runs Firecracker, but vmm.kind = {cfg.vmm.kind} chose {driver.name} "
+                          "on this host: set vmm.kind = firecracker (on a KVM host) or vmm.jailer = false")
+    if _filesystem(jailer.chroot_base) != _filesystem(cfg.templates_dir):
+        raise ConfigError(f"vmm.jailer_chroot_base {jailer.chroot_base} is not on the filesystem of the snapshots "
+                          f"({cfg.templates_dir}): a jailed capture is renamed out of its chroot; leave it empty "
+                          "(<state_dir>/jailer)")
 
 
 @dataclass
@@ -82,14 +111,21 @@ class NodeParts:
 
     @classmethod
     def build(cls, cfg: Config, db: Database, node_id: str) -> "NodeParts":
+        jailer = _jailer(cfg)
         choice = make_driver(cfg.vmm.kind, accel_override=cfg.vmm.accel, qemu_binary=_which(cfg.vmm.qemu_binary),
-                             firecracker_binary=Path(cfg.vmm.firecracker_binary),
+                             firecracker_binary=Path(cfg.vmm.firecracker_binary), jailer=jailer,
                              tcg_tb_size_mib=cfg.vmm.tcg_tb_size_mb, qemu_mem_merge=cfg.vmm.ksm,
                              tcg_restore_tb_size_mib=cfg.vmm.tcg_tb_size_restore_mb,
                              qemu_cow_discard=cfg.vmm.free_page_reporting)
         log.info("VMM %s with %s (%s)", choice.driver.name, choice.accel.value, choice.info.reason)
+        if jailer is not None:
+            _check_jailer(cfg, choice.driver, jailer)
+            log.info("Firecracker jailed: uid %d, gid %d, chroots in %s", jailer.uid, jailer.gid,
+                     jailer.chroot_base)
+        # a jailed VMM opens a FUSE-exported disk as the jail's user: the file is exported as its own
         frontend = DiskFrontend(choose_frontend(cfg.storage.block_frontend, vmm_takes_nbd=choice.driver.nbd_client),
-                                ublk_queues=cfg.storage.ublk_queues)
+                                ublk_queues=cfg.storage.ublk_queues,
+                                owner=(jailer.uid, jailer.gid) if jailer is not None else None)
         log.info("sandbox disks through %s (storage.block_frontend = %s)", frontend.kind.value,
                  cfg.storage.block_frontend)
         free_page_reporting = cfg.vmm.free_page_reporting and choice.driver.name == "qemu"
@@ -106,7 +142,10 @@ class NodeParts:
         tag = node_tag(cfg)
         parts = cls(
             cfg=cfg, db=db, node_id=node_id,
-            netcfg=NetworkConfig(node_tag=tag, pool_cidr=cfg.net.pool_cidr, egress=cfg.net.egress),
+            netcfg=NetworkConfig(node_tag=tag, pool_cidr=cfg.net.pool_cidr, egress=cfg.net.egress,
+                                 uplinks=cfg.net.uplinks,
+                                 dns_port=(cfg.net.dns_port or None) if cfg.net.egress else None,
+                                 proxy_port=(cfg.net.egress_proxy_port or None) if cfg.net.egress else None),
             driver=choice.driver, accel=choice.accel, frontend=frontend,
             free_page_reporting=free_page_reporting,
             repository=repository_from_config(cfg),

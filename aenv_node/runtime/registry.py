@@ -129,6 +129,13 @@ class LiveSandboxes:
     def get(self, sandbox_id: str) -> Optional[SandboxHandle]:
         return self.live.get(sandbox_id)
 
+    def policy_of_slot(self, index: int) -> Optional[EgressPolicy]:
+        """The egress policy of the sandbox running in slot ``index``, None when none runs there."""
+        for handle in list(self.live.values()):
+            if handle.slot_index == index:
+                return handle.policy
+        return None
+
     async def launch(self, launch: Launch) -> SandboxHandle:
         """Bring a sandbox up from ``launch.source``; returns once it runs (its row says running)."""
         if self._nursery is None:

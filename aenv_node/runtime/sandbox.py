@@ -101,6 +101,8 @@ class SandboxHandle:
     slot: Slot
     traffic_token: Optional[str] = None
     env_vars: dict[str, str] = field(default_factory=dict)
+    #: its egress policy as its slot has it now (the node's DNS forwarder and egress proxy read it)
+    policy: EgressPolicy = field(default_factory=EgressPolicy)
     #: when it started running (``time.monotonic()``): right after a restore the guest's network may need
     #: a moment before a port accepts connections
     started_at: float = field(default_factory=time.monotonic)
@@ -192,7 +194,7 @@ async def run_sandbox(
             handle = SandboxHandle(
                 sid, slot.address, spec.access_token, slot.index, m.vm.pid, source=src.copy(),
                 vm=m.vm, image=image, slot=slot, env_vars=dict(spec.env_vars),
-                traffic_token=spec.traffic_token)
+                traffic_token=spec.traffic_token, policy=spec.policy)
             started = handle
 
             def ready(s: Session) -> None:

@@ -289,6 +289,7 @@ class SandboxService:
         handle = self.registry.get(sandbox_id)
         if handle is not None:
             await handle.slot.apply_egress(policy)
+            handle.policy = policy
         stored = {k: v for k, v in (("allowOut", allow_out), ("denyOut", deny_out)) if v}
         await self.db.run(lambda s: repo.update_sandbox(s, sandbox_id, operation="update_network",
                                                         detail=stored, network_policy=stored))

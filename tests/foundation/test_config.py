@@ -80,6 +80,10 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         ("not toml ===", "not valid TOML"),
         ("[images]\nca_bundle = \"/nonexistent/ca.pem\"\n", "images.ca_bundle: '/nonexistent/ca.pem' is not a readable"),
         ("[templates]\ncache_ttl_s = -1\n", "templates.cache_ttl_s must be >= 0"),
+        ("[net]\ndns_port = 70000\n", "net.dns_port: 70000 is not a port"),
+        ("[net]\ndns_port = 5000\negress_proxy_port = 5000\n", "dns_port and egress_proxy_port must differ"),
+        ("[net]\ndns_upstreams = [\"dns.google\"]\n", "net.dns_upstreams: 'dns.google' is not IPV4[:PORT]"),
+        ("[net]\ndns_upstreams = [\"1.1.1.1:0\"]\n", "'1.1.1.1:0' is not IPV4[:PORT]"),
         ("[snapshot]\npublish_retry_interval_s = -1\n", "snapshot.publish_retry_interval_s must be >= 0"),
     ],
 )

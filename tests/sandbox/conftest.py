@@ -3,8 +3,10 @@
 One node per test session (building the ``base`` template boots a Linux guest
 once: under QEMU TCG here). Its state directory is fresh; the guest kit and the
 base rootfs come from the shared image cache the set-up script fills
-(``/var/lib/aenv``), so they are not rebuilt. Sandboxes get no route off the
-machine (``net.egress = false``).
+(``/var/lib/aenv``), so they are not rebuilt. The session's node has egress and DNS
+as in production, through a fake internet of its own (``internet.py``: its only uplink and
+DNS upstream); the other nodes tests start get no route off the machine
+(``net.egress = false``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import httpx
 import pytest
 
 from ..conftest import free_pool_cidr, free_port
+from .internet import Internet, ip_forward
 
 IMAGE_CACHE = os.environ.get("AENV_TEST_IMAGE_CACHE", "/var/lib/aenv")
 DOMAIN = "aenv.test"
@@ -177,9 +180,21 @@ def node_in_tmp(prefix: str, **kwargs: Any) -> Iterator[NodeProcess]:
 
 
 @pytest.fixture(scope="session")
-def node() -> Iterator[NodeProcess]:
+def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
+    forward = ip_forward()
+    inet = Internet.make(tmp_path_factory.mktemp("internet"))
+    try:
+        yield inet
+    finally:
+        inet.remove()
+        if forward and ip_forward() != forward:  # the node switches forwarding on for good: put it back
+            Path("/proc/sys/net/ipv4/ip_forward").write_text(forward + "\n")
+
+
+@pytest.fixture(scope="session")
+def node(internet: Internet) -> Iterator[NodeProcess]:
     with node_in_tmp("aenv-e2e-", AENV_API_DOMAIN=DOMAIN, AENV_SANDBOX_TTL_CHECK_INTERVAL_S="0.5",
-                     AENV_SNAPSHOT_COMPACT_AFTER_LAYERS="4") as n:
+                     AENV_SNAPSHOT_COMPACT_AFTER_LAYERS="4", **internet.node_env()) as n:
         yield n
 
 
