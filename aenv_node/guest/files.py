@@ -82,7 +82,7 @@ class FilesApi:
             resolved = self._resolve(path, user)
             try:
                 st = os.stat(resolved)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: no such path either
                 raise HttpError(404, f"path '{resolved}' does not exist") from None
             except OSError as exc:
                 raise HttpError(500, f"error checking if path exists '{resolved}': {exc}") from exc
@@ -318,6 +318,8 @@ async def _write_file(
     def open_target() -> BinaryIO:
         try:
             ensure_dirs(os.path.dirname(path), user.uid, user.gid)
+        except NotADirectoryError as exc:  # a parent is a file: the client's mistake, not the guest's
+            raise HttpError(400, f"error ensuring directories: {exc}") from exc
         except OSError as exc:
             raise HttpError(500, f"error ensuring directories: {exc}") from exc
         try:

@@ -7,7 +7,7 @@ import os
 
 import httpx
 
-from .conftest import EnvdProcess, GuestUser
+from .conftest import EnvdProcess, GuestUser, rpc
 
 
 def test_multipart_single_with_path_and_ownership(envd: EnvdProcess, workdir: str, test_user: GuestUser) -> None:
@@ -133,3 +133,37 @@ def test_keep_alive_many_requests_one_connection(envd: EnvdProcess, workdir: str
             assert c.post("/files", params={"path": target}, files={"file": ("x", str(i).encode())}).status_code == 200
             assert c.get("/files", params={"path": target}).text == str(i)
             assert c.get("/health").status_code == 204
+
+
+def test_hostile_paths_behave_as_e2b_envd(envd: EnvdProcess, workdir: str, test_user: GuestUser) -> None:
+    """NUL bytes are refused (400, invalid_argument), ``..`` is cleaned lexically before use (it cannot climb
+    above /), and a symlink is followed like any path: envd acts for the sandbox's users, who own the guest (E2B
+    gives them sudo), so a link is no way around a boundary that does not exist inside one sandbox."""
+    secret = os.path.join(workdir, "secret.txt")
+    with open(secret, "w") as f:
+        f.write("behind a link")
+    os.symlink(secret, os.path.join(workdir, "link.txt"))
+    with envd.client() as c:
+        for path in (f"{workdir}/a\x00b", "\x00", f"{workdir}/\x00/x"):
+            r = c.get("/files", params={"path": path})
+            assert r.status_code == 400 and "invalid characters" in r.json()["message"], (path, r.text)
+            r = c.post("/files", params={"path": path}, files={"file": ("x", b"no")})
+            assert r.status_code == 400, (path, r.text)
+            r = rpc(c, "filesystem.Filesystem/Stat", {"path": path})
+            assert r.status_code == 400 and r.json()["code"] == "invalid_argument", (path, r.text)
+        # ".." is resolved before use: far too many of them end at /, never above
+        climb = workdir + "/.." * 64 + workdir + "/secret.txt"
+        assert c.get("/files", params={"path": climb}).content == b"behind a link"
+        r = c.post("/files", params={"path": f"{workdir}/sub/../up.txt"}, files={"file": ("x", b"up")})
+        assert r.status_code == 200 and r.json()[0]["path"] == f"{workdir}/up.txt"
+        assert not os.path.exists(os.path.join(workdir, "sub"))
+        # a symlink reads and stats through to its target, and reports itself as one
+        assert c.get("/files", params={"path": f"{workdir}/link.txt"}).content == b"behind a link"
+        st = rpc(c, "filesystem.Filesystem/Stat", {"path": f"{workdir}/link.txt"}).json()["entry"]
+        assert st["symlinkTarget"] == secret and st["isSymlink"] is True
+        # a path that does not exist, through a file as if it were a directory: 404 / 400, nothing made
+        r = c.get("/files", params={"path": f"{secret}/child"})
+        assert r.status_code in (400, 404), r.text
+        r = c.post("/files", params={"path": f"{secret}/child"}, files={"file": ("x", b"no")})
+        assert r.status_code == 400, r.text
+    assert open(secret).read() == "behind a link"
