@@ -208,10 +208,12 @@ class DataPlaneClient:
     # ---- disks ---------------------------------------------------------------------------------------
 
     async def open_disk(self, sandbox_id: str, layers: Sequence[LayerRef], upper: Path, run_dir: Path) -> RemoteDisk:
+        # the owner only when there is one: a data plane started before it existed still opens unjailed disks
+        owner = {"owner": list(self.frontend.owner)} if self.frontend.owner is not None else {}
         out = await self.call("disk.open", sandbox_id=sandbox_id,
                               layers=[[r.digest, str(r.path) if r.path else None] for r in layers],
                               upper=str(upper), run_dir=str(run_dir), frontend=self.frontend.kind.value,
-                              ublk_queues=self.frontend.ublk_queues)
+                              ublk_queues=self.frontend.ublk_queues, **owner)
         return RemoteDisk(self, sandbox_id, str(out["source"]), layers)
 
     async def held_disks(self) -> list[HeldDisk]:

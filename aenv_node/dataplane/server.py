@@ -162,7 +162,7 @@ class DataPlane:
         return disk
 
     async def disk_open(self, sandbox_id: str, layers: list[list[Optional[str]]], upper: str, run_dir: str,
-                        frontend: str, ublk_queues: int = 1) -> dict[str, Any]:
+                        frontend: str, ublk_queues: int = 1, owner: Optional[list[int]] = None) -> dict[str, Any]:
         if sandbox_id in self.disks:
             raise CallError(f"a disk is already open for {sandbox_id}")
         assert self._nursery is not None
@@ -172,7 +172,8 @@ class DataPlane:
         self.disks[sandbox_id] = disk
         try:
             disk.source = await self._nursery.start(
-                self._serve_disk, disk, DiskFrontend(FrontendKind(frontend), ublk_queues))
+                self._serve_disk, disk, DiskFrontend(FrontendKind(frontend), ublk_queues,
+                                                     (owner[0], owner[1]) if owner is not None else None))
         except BaseException:
             self.disks.pop(sandbox_id, None)
             raise

@@ -62,7 +62,7 @@ from ..state import (
     SnapshotStatus,
 )
 from ..state import repository as repo
-from ..vmm import kill_recorded
+from ..vmm import FirecrackerDriver, kill_recorded
 from ..vmm.process import read_pid_file
 from .node import Node
 from .parts import NodeParts
@@ -234,6 +234,10 @@ class Reconciler:
                 while any(_exists(pid) for pid in killed_pids):
                     await trio.sleep(0.05)
             await trio.to_thread.run_sync(p.driver.limits.sweep)
+        if isinstance(p.driver, FirecrackerDriver):  # the chroots of jailed VMMs that are gone
+            jails = await p.driver.sweep_jails(wait_for=killed_pids)
+            if jails:
+                log.info("reconcile: removed the jails of %d VMMs gone: %s", len(jails), ", ".join(jails))
         p.adoptions = adopted
         if removed or found:
             log.info("reconcile: %d sandboxes settled (%d to take over), %d orphan slots removed", len(found),

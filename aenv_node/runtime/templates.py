@@ -62,7 +62,7 @@ from ..templates import (
     split_name,
     touch,
 )
-from ..vmm import kill_recorded
+from ..vmm import FirecrackerDriver, kill_recorded
 from .builds_in_progress import BuildsInProgress
 from .errors import NodeNotReady, TemplateBuildFailed, TemplateNotFound, TemplateNotReady, TemplateRequestError
 from .parts import NodeParts
@@ -184,6 +184,8 @@ class TemplateService:
             for b in cut:  # its sockets and its disk's upper; its logs stay for the post-mortem
                 shutil.rmtree(self.parts.cfg.run_dir / b, ignore_errors=True)
                 shutil.rmtree(self.parts.cfg.state_dir / "builds" / b / "upper", ignore_errors=True)
+            if killed and isinstance(self.parts.driver, FirecrackerDriver):  # a jailed build VMM's chroot
+                await self.parts.driver.sweep_jails(wait_for=killed)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             tid = self.parts.cfg.sandbox.default_template

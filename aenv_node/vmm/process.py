@@ -188,6 +188,13 @@ def kill_recorded(pid_file: Path, marker: str) -> int | None:
     return pid
 
 
+class MountWrapper(Protocol):
+    """A command prefix that runs the VMM in a mount namespace of its own, prepared for it (``StableLinks``,
+    or the bind mounts of a jailed Firecracker): what it mounts goes with the process."""
+
+    def exec_prefix(self) -> list[str]: ...
+
+
 @dataclass(frozen=True)
 class StableLinks:
     """Fixed paths for a VMM's files, the same in every process: ``dir/name`` -> ``target``.
@@ -226,7 +233,7 @@ async def vmm_process(
     cwd: Path | None = None,
     extra_logs: Sequence[Path] = (),
     seccomp: SeccompFilter | None = None,
-    stable_links: StableLinks | None = None,
+    stable_links: MountWrapper | None = None,
     pid_file: Path | None = None,
     spawner: Spawner | None = None,
     key: str = "",
@@ -237,7 +244,8 @@ async def vmm_process(
     stderr goes to `log_path`; stdout to `stdout_path` (e.g. a serial console) or also to `log_path`.
     `extra_logs`: log files the VMM writes itself, included in error messages.
     `stable_links`: run the VMM in a private mount namespace where `stable_links.dir` is a tmpfs holding
-    symlinks `name -> target`, so the VMM sees the same paths in every process (see `StableLinks`).
+    symlinks `name -> target`, so the VMM sees the same paths in every process (see `StableLinks`), or
+    where another ``MountWrapper`` mounted what it needs.
     `seccomp`: a filter the VMM (and `nsenter` before it) runs under from its first instruction: installed
     by the `aenv-seccomp-exec` helper when it is installed, else in the child between fork and exec (which
     costs a fork of this process instead of a vfork; see `seccomp.py`).

@@ -53,6 +53,8 @@ def make_driver(
             raise VmmConfigError(f"Firecracker needs KVM that runs the guest; {info.reason}")
         if not firecracker_binary.is_file():
             raise VmmNotInstalled(f"firecracker not found at {firecracker_binary} (scripts/setup.d/30-firecracker.sh)")
+        if jailer is not None and not jailer.binary.is_file():
+            raise VmmNotInstalled(f"jailer not found at {jailer.binary} (scripts/setup.d/30-firecracker.sh)")
         fc = FirecrackerDriver(binary=firecracker_binary, jailer=jailer, track_dirty_pages=track_dirty_pages)
         return DriverChoice(fc, accel, info)
     if kind == "qemu":

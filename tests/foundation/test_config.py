@@ -85,13 +85,39 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         ("[net]\ndns_upstreams = [\"dns.google\"]\n", "net.dns_upstreams: 'dns.google' is not IPV4[:PORT]"),
         ("[net]\ndns_upstreams = [\"1.1.1.1:0\"]\n", "'1.1.1.1:0' is not IPV4[:PORT]"),
         ("[snapshot]\npublish_retry_interval_s = -1\n", "snapshot.publish_retry_interval_s must be >= 0"),
+        ("[vmm]\njailer = \"maybe\"\n", "vmm.jailer (from"),
+        ("[vmm]\njailer_uid = 0\n", "vmm.jailer_uid: 0 is not an unprivileged id"),
+        ("[vmm]\njailer_gid = -1\n", "vmm.jailer_gid: -1 is not an unprivileged id"),
+        ("[vmm]\njailer_uid = 4294967295\n", "vmm.jailer_uid: 4294967295 is not an unprivileged id"),
+        ("[vmm]\njailer_gid = \"nogroup\"\n", "vmm.jailer_gid (from"),
+        ("[vmm]\njailer_chroot_base = \"jail\"\n", "vmm.jailer_chroot_base: 'jail' is not an absolute path"),
+        ("[vmm]\njailer = true\njailer_binary = \"/nonexistent/jailer\"\n",
+         "vmm.jailer_binary: '/nonexistent/jailer' is not an executable file"),
+        ("[vmm]\njailer = true\nkind = \"qemu\"\n", "vmm.jailer: the jailer runs Firecracker only"),
+        ("[vmm]\njailer = true\nfirecracker_binary = \"/usr/bin/fc\"\n", "whose file name contains 'firecracker'"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
     f = tmp_path / "c.toml"
     f.write_text(text)
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         load_config(f, environ={})
+    assert "\n" not in str(caught.value), "a config error is one line"
+
+
+def test_jailer_keys_from_file_and_environment(tmp_path: Path) -> None:
+    """Off by default, its chroots in the state directory unless given; every key read from a file or the
+    environment (the node hands its configuration to its data plane that way). That they reach the driver and a
+    jailed VM runs so: ``tests/vmm/test_jailer.py::test_the_node_runs_firecracker_jailed_from_its_config``."""
+    cfg = load_config(environ={"AENV_STATE_DIR": "/srv/aenv"})
+    assert cfg.vmm.jailer is False and (cfg.vmm.jailer_uid, cfg.vmm.jailer_gid) == (65534, 65534)
+    assert cfg.jailer_chroot_base == Path("/srv/aenv/jailer")
+    f = tmp_path / "c.toml"
+    f.write_text('[vmm]\njailer = true\njailer_uid = 1234\njailer_chroot_base = "/srv/jail"\n')
+    cfg = load_config(f, environ={"AENV_VMM_JAILER_GID": "2345", "AENV_VMM_JAILER_BINARY": "/bin/sh"})
+    assert (cfg.vmm.jailer, cfg.vmm.jailer_uid, cfg.vmm.jailer_gid) == (True, 1234, 2345)
+    assert cfg.vmm.jailer_binary == "/bin/sh" and cfg.jailer_chroot_base == Path("/srv/jail")
+    assert load_config(environ=cfg.as_environment()).vmm == cfg.vmm
 
 
 def test_bad_env_value_names_the_variable_origin() -> None:

@@ -8,7 +8,9 @@ afterwards: no VMM process may survive the test and no socket may be left in it.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +52,19 @@ def qemu() -> QemuDriver:
     if not DEFAULT_QEMU.is_file():
         pytest.skip(f"{DEFAULT_QEMU} missing (apt: qemu-system-x86)")
     return QemuDriver()
+
+
+@pytest.fixture
+def netns() -> Iterator[Path]:
+    """A network namespace holding an up tap device `tap0`; deleted afterwards."""
+    name = f"aenv-vmmt-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "tuntap", "add", "dev", "tap0", "mode", "tap"], check=True)
+        subprocess.run(["ip", "-n", name, "link", "set", "tap0", "up"], check=True)
+        yield Path("/run/netns") / name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,6 @@ from aenv_node.vmm import (
     CaptureKind,
     Drive,
     FirecrackerDriver,
-    JailerConfig,
     MemoryMode,
     NetIf,
     QemuDriver,
@@ -32,19 +29,6 @@ from aenv_node.vmm import (
 from .tinyguest import console_ticks, image_status, tiny_config, wait_for_tick
 
 pytestmark = pytest.mark.vm
-
-
-@pytest.fixture
-def netns() -> Iterator[Path]:
-    """A network namespace holding an up tap device `tap0`; deleted afterwards."""
-    name = f"aenv-vmmt-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "tuntap", "add", "dev", "tap0", "mode", "tap"], check=True)
-        subprocess.run(["ip", "-n", name, "link", "set", "tap0", "up"], check=True)
-        yield Path("/run/netns") / name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 def tap_flags(netns: Path) -> list[str]:
@@ -205,38 +189,6 @@ async def test_firecracker_diff_after_full_capture_of_a_booted_vm(tiny_kernel: P
     assert diff.dirty_bytes < 32 * 4096
     _, t2 = image_status(diff.memory)
     assert t2 >= t1 + 3
-
-
-async def test_firecracker_under_jailer(tiny_kernel: Path, workroot: Path) -> None:
-    """Jailed: chrooted, unprivileged; files hard-linked in, captures moved out, the chroot removed after."""
-    fc = FirecrackerDriver(jailer=JailerConfig(chroot_base=workroot / "jail"))
-    if not (fc.binary.is_file() and fc.jailer is not None and fc.jailer.binary.is_file()):
-        pytest.skip("firecracker/jailer not installed")
-    kernel = workroot / "tiny.elf"  # on the chroot's filesystem, readable by the jail's uid
-    kernel.write_bytes(tiny_kernel.read_bytes())
-    kernel.chmod(0o644)
-    cfg = tiny_config(workroot / "vm", kernel, name="aenv-jail-test-1")
-    chroot = workroot / "jail" / "firecracker" / cfg.name / "root"
-    async with fc.boot(cfg) as vm:
-        await wait_for_tick(cfg.console_path, 2)
-        # pivot_root in its own mount namespace: its / is the chroot
-        assert os.stat(f"/proc/{vm.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
-        jail_root = Path(f"/proc/{vm.pid}/root")
-        assert (jail_root / "run" / "firecracker.socket").exists() and not (jail_root / "etc").exists()
-        assert (chroot / "run" / "firecracker.socket").exists()
-        status = Path(f"/proc/{vm.pid}/status").read_text()
-        assert "\nUid:\t65534\t" in status
-        res = await vm.capture(workroot / "vmstate", workroot / "memory")
-    assert not chroot.parent.exists(), "the jail's chroot must be removed with the VM"
-    assert (cfg.workdir / "firecracker.log").exists()
-    assert kernel.stat().st_uid == 0, "read-only inputs are linked, never chowned"
-    _, tick = image_status(res.memory)
-    cfg2 = tiny_config(workroot / "r", kernel, name="aenv-jail-test-2")
-    async with fc.restore(cfg2, res.snapshot_files()) as vm2:
-        await wait_for_tick(cfg2.console_path, tick + 20)
-        assert console_ticks(cfg2.console_path)[0] in (tick, tick + 1)
-        diff = await vm2.capture(workroot / "vmstate2", workroot / "diff2", kind=CaptureKind.DIFF)
-    assert 0 < diff.dirty_bytes < 32 * 4096
 
 
 async def test_qemu_anonymous_ram_boots_but_cannot_be_captured(

@@ -59,6 +59,8 @@ class DiskFrontend:
 
     kind: FrontendKind = FrontendKind.NBD
     ublk_queues: int = 1  # asked for; the kernel may give fewer (one per CPU at most)
+    #: (uid, gid) a FUSE-exported disk file belongs to: a jailed Firecracker opens it as that user (None: ours)
+    owner: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ async def export_disk(frontend: DiskFrontend, device: BlockDevice, run_dir: Path
         mnt = run_dir / f"{name}.fuse"
         mnt.mkdir(parents=True, exist_ok=True)
         try:
-            async with mount_fuse({f"{name}.raw": device}, mnt) as fs:
+            uid, gid = frontend.owner if frontend.owner is not None else (None, None)
+            async with mount_fuse({f"{name}.raw": device}, mnt, uid=uid, gid=gid) as fs:
                 yield DiskExport(kind, str(fs.path(f"{name}.raw")), fs)
         finally:
             try:

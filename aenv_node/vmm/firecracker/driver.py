@@ -13,9 +13,9 @@
   which needs no dirty log and works while the guest runs.
 * stats: `FlushMetrics` + the last line of the metrics file, plus /proc readings.
 
-Jailer: optional (`JailerConfig`). With it Firecracker runs chrooted under an unprivileged uid; every file it
-opens (kernel, initrd, drives, snapshot and memory files) is hard-linked into the chroot, so they must be on
-the chroot's filesystem, and capture files are moved out of it afterwards.
+Jailer: optional (`JailerConfig`, node config `vmm.jailer`). With it Firecracker runs chrooted under an
+unprivileged uid in namespaces of its own; `jail.py` says how its files get into the chroot (hard links, device
+nodes, bind mounts) and what the life cycle (start, capture, take-over, stop) does there.
 
 Version: written against Firecracker v1.12.1 (no free page reporting in its balloon).
 """
@@ -25,11 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,28 +57,13 @@ from ..errors import (
 from ..cgroup import VmmLimits
 from ..process import ChildProcess, Spawner, StableLinks, VmmProcess, adopted_process, vmm_process
 from .api import FirecrackerApi
+from .jail import DEFAULT_JAILER, DRIVE_DIR, BindMounts, Jail, JailerConfig, own_tap, sweep_jails
+
+__all__ = ["DEFAULT_FIRECRACKER", "DEFAULT_JAILER", "DRIVE_DIR", "FirecrackerDriver", "FirecrackerVm",
+           "JailerConfig"]
 
 DEFAULT_FIRECRACKER = Path("/opt/aenv/bin/firecracker")
 _ID_RE = re.compile(r"[A-Za-z0-9-]{1,64}")
-DEFAULT_JAILER = Path("/opt/aenv/bin/jailer")
-#: where an unjailed Firecracker sees its drives (symlinks in its own mount namespace, see StableLinks): the
-#: snapshot records these paths, so every restore finds its own disk under the same names
-DRIVE_DIR = Path("/run/aenv-vm")
-
-
-@dataclass(frozen=True)
-class JailerConfig:
-    """Run Firecracker under `jailer`: chroot `<chroot_base>/firecracker/<VmConfig.name>/root`, uid/gid.
-
-    VM names must then be unique among the node's running VMs (the name is the chroot). The chroot base must
-    be on the filesystem of the kernel, images and snapshots (they are hard-linked in), which must be
-    readable by `uid`; writable drives are chowned to it.
-    """
-
-    binary: Path = DEFAULT_JAILER
-    chroot_base: Path = Path("/srv/jailer")
-    uid: int = 65534
-    gid: int = 65534
 
 
 class FirecrackerDriver:
@@ -114,24 +97,22 @@ class FirecrackerDriver:
         self.spawner: Spawner | None = None
         #: each VMM in its own cgroup with these limits (``cgroup.py``); None: unlimited
         self.limits: VmmLimits | None = None
+        #: jailed VMs this driver is starting or holds, by name (the name is the chroot: unique while they run)
+        self._jailed: set[str] = set()
 
     # ---- process ------------------------------------------------------------------------------------
 
-    def _vm_json(self, config: VmConfig, paths: _Paths) -> dict[str, Any]:
+    def _vm_json(self, config: VmConfig, jail: Jail) -> dict[str, Any]:
         c = config
-        boot: dict[str, Any] = {"kernel_image_path": paths.inside(c.kernel), "boot_args": c.cmdline}
+        boot: dict[str, Any] = {"kernel_image_path": jail.inside(c.kernel), "boot_args": c.cmdline}
         if c.initrd is not None:
-            boot["initrd_path"] = paths.inside(c.initrd)
+            boot["initrd_path"] = jail.inside(c.initrd)
         drives = []
         for i, d in enumerate(c.drives):
-            if d.is_nbd:
-                raise VmmConfigError(
-                    f"Firecracker cannot attach NBD drive {d.source!r}: give it a file or block device path"
-                )
             drives.append(
                 {
                     "drive_id": f"vd{i}",
-                    "path_on_host": paths.drive(i, Path(d.source), writable=not d.read_only),
+                    "path_on_host": str(DRIVE_DIR / f"vd{i}"),  # put there by _prepare_files
                     "is_root_device": False,
                     "is_read_only": d.read_only,
                 }
@@ -162,80 +143,120 @@ class FirecrackerDriver:
             raise VmmConfigError(
                 f"Firecracker VM names (--id) are 1-64 characters of letters, digits and '-': {config.name!r}"
             )
+        for d in config.drives:
+            if d.is_nbd:
+                raise VmmConfigError(
+                    f"Firecracker cannot attach NBD drive {d.source!r}: give it a file or block device path"
+                )
         if config.balloon is not None and config.balloon.free_page_reporting:
             raise VmmConfigError("Firecracker 1.12 has no balloon free page reporting: disable free_page_reporting")
 
+    def _claim(self, name: str) -> None:
+        """A jailed VM's name is its chroot: two at once would share one."""
+        if self.jailer is not None:
+            if name in self._jailed:
+                raise VmmConfigError(f"a jailed Firecracker VM named {name!r} already runs: names must be unique")
+            self._jailed.add(name)
+
+    async def _release(self, jail: Jail, proc: VmmProcess | None) -> None:
+        """After the VMM: its jail goes unless it was detached (it runs on in its chroot for the next owner)."""
+        try:
+            if jail.root is not None and (proc is None or not proc.detached):
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(jail.cleanup)
+        finally:
+            self._jailed.discard(jail.config.name)
+
+    async def sweep_jails(self, *, wait_for: Sequence[int] = (), timeout_s: float = 5.0) -> list[str]:
+        """Remove the chroots whose VMM is gone (a node killed hard, a data plane stopped with its VMMs), except
+        those of VMs this driver is starting or holds; their names. For reconcilers, once the VMMs they killed
+        (``wait_for``: their pids) have exited: a VMM still running keeps its chroot."""
+        if self.jailer is None:
+            return []
+        with trio.move_on_after(timeout_s):
+            while any(_runs(pid) for pid in wait_for):
+                await trio.sleep(0.02)
+        keep = frozenset(self._jailed)
+        return await trio.to_thread.run_sync(sweep_jails, self.jailer.chroot_base, self.binary.name, keep)
+
     @asynccontextmanager
     async def _started(
-        self, config: VmConfig, *, boot: bool
-    ) -> AsyncIterator[tuple[VmmProcess, FirecrackerApi, _Paths]]:
-        wd = config.workdir
-        wd.mkdir(parents=True, exist_ok=True)
-        paths = _Paths.make(config, self.jailer, self.binary.name)
+        self, config: VmConfig, *, boot: bool, snapshot: SnapshotFiles | None = None
+    ) -> AsyncIterator[tuple[VmmProcess, FirecrackerApi, Jail]]:
+        config.workdir.mkdir(parents=True, exist_ok=True)
+        jail = Jail(config, self.jailer, self.binary.name)
+        self._claim(config.name)
         proc: VmmProcess | None = None
         try:
-            async with self._process(config, paths, boot=boot) as started:
+            fc_args = await trio.to_thread.run_sync(self._prepare_files, config, jail, boot, snapshot)
+            if self.jailer is not None and config.net is not None:
+                await trio.to_thread.run_sync(own_tap, config.netns, config.net.tap, self.jailer.uid,
+                                              self.jailer.gid)
+            async with self._process(config, jail, fc_args) as started:
                 proc = started[0]
                 yield started
         finally:
-            if proc is None or not proc.detached:  # a detached VM runs on in its chroot
-                paths.cleanup()
+            await self._release(jail, proc)
+
+    def _prepare_files(self, config: VmConfig, jail: Jail, boot: bool, snapshot: SnapshotFiles | None) -> list[str]:
+        """Everything the VMM opens, made (and put into its jail); its command line. Blocking: in a thread."""
+        jail.prepare()
+        log = jail.host_file("firecracker.log")
+        metrics = jail.host_file("metrics.json")
+        for f in (log, metrics):
+            f.touch()
+            jail.own_file(f)
+        fc_args = [
+            "--api-sock", jail.api_socket_inside,
+            "--log-path", jail.inside(log),
+            "--level", self.log_level,
+            "--metrics-path", jail.inside(metrics),
+        ]  # fmt: skip
+        if jail.root is not None:
+            for i, d in enumerate(config.drives):
+                jail.drive(i, Path(d.source), writable=not d.read_only)
+        if boot:
+            cf = jail.host_file("vm.json")
+            cf.write_text(json.dumps(self._vm_json(config, jail), indent=1))
+            fc_args += ["--config-file", jail.inside(cf)]
+        if snapshot is not None:  # into the jail before the VMM starts (a bind mount can only be made then)
+            jail.inside(snapshot.vmstate)
+            jail.inside(snapshot.memory)
+        return fc_args
 
     @asynccontextmanager
     async def _process(
-        self, config: VmConfig, paths: _Paths, *, boot: bool
-    ) -> AsyncIterator[tuple[VmmProcess, FirecrackerApi, _Paths]]:
+        self, config: VmConfig, jail: Jail, fc_args: list[str]
+    ) -> AsyncIterator[tuple[VmmProcess, FirecrackerApi, Jail]]:
         wd = config.workdir
-        config_file = self._vm_json(config, paths) if boot else None
-        log = paths.host_file("firecracker.log")
-        metrics = paths.host_file("metrics.json")
-        for f in (log, metrics):
-            f.touch()
-            if self.jailer is not None:
-                os.chown(f, self.jailer.uid, self.jailer.gid)
-        fc_args = [
-            "--api-sock", paths.api_socket_inside,
-            "--log-path", paths.inside(log),
-            "--level", self.log_level,
-            "--metrics-path", paths.inside(metrics),
-        ]  # fmt: skip
-        if config_file is not None:
-            cf = paths.host_file("vm.json")
-            cf.write_text(json.dumps(config_file, indent=1))
-            fc_args += ["--config-file", paths.inside(cf)]
         if self.jailer is None:
             argv = [str(self.binary), "--id", config.name, *fc_args]
             netns = config.netns
-            links = StableLinks(DRIVE_DIR, tuple((f"vd{i}", Path(d.source)) for i, d in enumerate(config.drives)))
+            mounts: StableLinks | BindMounts | None = StableLinks(
+                DRIVE_DIR, tuple((f"vd{i}", Path(d.source)) for i, d in enumerate(config.drives)))
         else:
-            j = self.jailer
-            argv = [
-                str(j.binary), "--id", config.name, "--exec-file", str(self.binary),
-                "--uid", str(j.uid), "--gid", str(j.gid), "--chroot-base-dir", str(j.chroot_base),
-            ]  # fmt: skip
-            if config.netns is not None:
-                argv += ["--netns", str(config.netns)]
-            argv += ["--", *fc_args]
-            netns = None
-            links = None
+            argv = jail.argv(self.binary, fc_args)
+            netns = None  # the jailer joins it (--netns)
+            mounts = jail.bind_mounts()
         async with vmm_process(
             argv,
             log_path=wd / "firecracker.stderr",
             stdout_path=config.console_path,
-            sockets=[paths.api_socket],
+            sockets=[jail.api_socket],
             netns=netns,
             cwd=wd,
-            extra_logs=[log],
-            stable_links=links,
+            extra_logs=[jail.host_file("firecracker.log")],
+            stable_links=mounts,
             pid_file=config.pid_file,
             spawner=self.spawner,
             key=config.name,
             cgroup=self.limits.create(config.name, config.vcpus, config.mem_mib) if self.limits else None,
         ) as proc:
-            await proc.wait_for_socket(paths.api_socket, self.start_timeout_s)
-            api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)
+            jail.link_socket()
+            await proc.wait_for_socket(jail.api_socket, self.start_timeout_s)
+            api = FirecrackerApi(jail.api_socket, timeout_s=self.op_timeout_s)
             try:
-                yield proc, api, paths
+                yield proc, api, jail
             finally:
                 with trio.CancelScope(shield=True):
                     await api.aclose()
@@ -249,16 +270,18 @@ class FirecrackerDriver:
         Its next capture is FULL even if a Diff is asked (``FirecrackerVm.capture``): KVM's dirty log restarts
         at every snapshot Firecracker takes, and the dead node may have had one taken that it never committed,
         so a Diff could miss pages written before it."""
-        paths = _Paths.make(config, self.jailer, self.binary.name)
+        jail = Jail(config, self.jailer, self.binary.name)
+        self._claim(config.name)
+        jail.adopt()
         vm: FirecrackerVm | None = None
         try:
             async with adopted_process(proc, log_path=config.workdir / "firecracker.stderr",
-                                       sockets=[paths.api_socket], extra_logs=[paths.host_file("firecracker.log")],
+                                       sockets=[jail.api_socket], extra_logs=[jail.host_file("firecracker.log")],
                                        pid_file=config.pid_file,
                                        cgroup=self.limits.cgroups.of(config.name) if self.limits else None) as vp:
-                api = FirecrackerApi(paths.api_socket, timeout_s=self.op_timeout_s)
+                api = FirecrackerApi(jail.api_socket, timeout_s=self.op_timeout_s)
                 try:
-                    vm = FirecrackerVm(self, config, vp, api, paths, restored_from=restored_from)
+                    vm = FirecrackerVm(self, config, vp, api, jail, restored_from=restored_from)
                     vm.full_next = True
                     state = (await vm._call("GET", "/"))["state"]
                     vm.state = VmState.RUNNING if state == "Running" else VmState.PAUSED
@@ -267,15 +290,14 @@ class FirecrackerDriver:
                     with trio.CancelScope(shield=True):
                         await api.aclose()
         finally:
-            if vm is None or not vm._proc.detached:
-                paths.cleanup()
+            await self._release(jail, vm._proc if vm is not None else None)
 
     # ---- boot / restore -----------------------------------------------------------------------------
 
     @asynccontextmanager
     async def boot(self, config: VmConfig) -> AsyncIterator[FirecrackerVm]:
         self._check_config(config)
-        async with self._started(config, boot=True) as (proc, api, paths):
+        async with self._started(config, boot=True) as (proc, api, jail):
             # The API socket opens before the VM is built from the config file: wait for the guest to run.
             running = False
             with trio.move_on_after(self.start_timeout_s):
@@ -289,7 +311,7 @@ class FirecrackerDriver:
             if not running:
                 why = "exited" if not proc.alive() else f"did not start it within {self.start_timeout_s:.0f} s"
                 raise VmmStartError(f"Firecracker {why} booting the VM", log_tail=proc.log_tail())
-            vm = FirecrackerVm(self, config, proc, api, paths, restored_from=None)
+            vm = FirecrackerVm(self, config, proc, api, jail, restored_from=None)
             vm.state = VmState.RUNNING
             yield vm
 
@@ -308,10 +330,10 @@ class FirecrackerDriver:
                 f"memory image {snapshot.memory} is {snapshot.memory.stat().st_size} bytes, "
                 f"the VM has {config.mem_bytes}"
             )
-        async with self._started(config, boot=False) as (proc, api, paths):
+        async with self._started(config, boot=False, snapshot=snapshot) as (proc, api, jail):
             body = {
-                "snapshot_path": paths.inside(snapshot.vmstate),
-                "mem_backend": {"backend_type": "File", "backend_path": paths.inside(snapshot.memory)},
+                "snapshot_path": jail.inside(snapshot.vmstate),  # put into the jail by _prepare_files
+                "mem_backend": {"backend_type": "File", "backend_path": jail.inside(snapshot.memory)},
                 "enable_diff_snapshots": self.track_dirty_pages,  # 1.12's name for track_dirty_pages
                 "resume_vm": resume,
             }
@@ -322,79 +344,9 @@ class FirecrackerDriver:
                 await api.put("/snapshot/load", body)
             except (VmmApiError, VmmExited) as e:
                 raise SnapshotError(f"Firecracker failed to load {snapshot.vmstate}: {e}\n{proc.log_tail()}") from e
-            vm = FirecrackerVm(self, config, proc, api, paths, restored_from=snapshot)
+            vm = FirecrackerVm(self, config, proc, api, jail, restored_from=snapshot)
             vm.state = VmState.RUNNING if resume else VmState.PAUSED
             yield vm
-
-
-class _Paths:
-    """Where files are for Firecracker (inside its chroot under the jailer) and for us."""
-
-    def __init__(self, config: VmConfig, jailer: JailerConfig | None, exec_name: str) -> None:
-        self.config = config
-        self.jailer = jailer
-        if jailer is None:
-            self.root: Path | None = None
-            self.api_socket = config.socket_path
-            self.api_socket_inside = str(config.socket_path)
-        else:
-            self.root = jailer.chroot_base / exec_name / config.name / "root"
-            self.api_socket = self.root / "run" / "firecracker.socket"
-            self.api_socket_inside = "/run/firecracker.socket"
-
-    @classmethod
-    def make(cls, config: VmConfig, jailer: JailerConfig | None, exec_name: str) -> _Paths:
-        p = cls(config, jailer, exec_name)
-        if p.root is not None:
-            p.root.mkdir(parents=True, exist_ok=True)
-        return p
-
-    def host_file(self, name: str) -> Path:
-        """A file Firecracker writes: in the workdir, or in the chroot under the jailer."""
-        return (self.root / name) if self.root is not None else self.config.workdir / name
-
-    def drive(self, index: int, source: Path, *, writable: bool) -> str:
-        """The path Firecracker is given for drive ``index``: the same for every VM (see ``DRIVE_DIR``), or the
-        hard link in the jailer's chroot."""
-        if self.root is None:
-            return str(DRIVE_DIR / f"vd{index}")
-        return self.inside(source, writable=writable)
-
-    def inside(self, path: Path, *, writable: bool = False) -> str:
-        """The path Firecracker must be given for host file `path` (hard-linked into the chroot if jailed).
-
-        A hard link shares the inode, so only files Firecracker must write (`writable`) are chowned to the
-        jail's uid; everything else (kernel, images, snapshots) just has to be readable by it.
-        """
-        if self.root is None:
-            return str(path)
-        if path.is_relative_to(self.root):
-            return "/" + str(path.relative_to(self.root))
-        rel = Path("files") / str(path.resolve()).lstrip("/")
-        dst = self.root / rel
-        if not dst.exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, dst)
-            except OSError as e:
-                raise VmmConfigError(
-                    f"cannot hard-link {path} into the jailer chroot {self.root} ({e.strerror}): keep VM files "
-                    f"on the chroot's filesystem"
-                ) from e
-        assert self.jailer is not None
-        if writable:
-            os.chown(dst, self.jailer.uid, self.jailer.gid)
-        return "/" + str(rel)
-
-    def cleanup(self) -> None:
-        """Remove the chroot, keeping Firecracker's log and metrics in the workdir for post-mortems."""
-        if self.root is not None:
-            for name in ("firecracker.log", "metrics.json"):
-                try:
-                    shutil.move(self.root / name, self.config.workdir / name)
-                except OSError:
-                    pass
-            shutil.rmtree(self.root.parent, ignore_errors=True)
 
 
 class FirecrackerVm(Vm):
@@ -406,7 +358,7 @@ class FirecrackerVm(Vm):
         config: VmConfig,
         proc: VmmProcess,
         api: FirecrackerApi,
-        paths: _Paths,
+        jail: Jail,
         *,
         restored_from: SnapshotFiles | None,
     ) -> None:
@@ -414,7 +366,7 @@ class FirecrackerVm(Vm):
         self._driver = driver
         self._proc = proc
         self._api = api
-        self._paths = paths
+        self._jail = jail
         self._has_base = restored_from is not None  # a Diff needs something to be a diff against
         #: the next capture is FULL whatever is asked (a VM taken over: its dirty log's start is unknown)
         self.full_next = False
@@ -463,24 +415,28 @@ class FirecrackerVm(Vm):
                     )
             if self.restored_from is not None and memory.resolve() == self.restored_from.memory.resolve():
                 raise SnapshotError(f"capture target {memory} is the image this VM was restored from")
+            jail = self._jail
+            jailed = jail.root is not None
+            if jailed:  # before the pause: a target it cannot reach fails with the VM untouched
+                await trio.to_thread.run_sync(jail.check_capture_target, vmstate, memory)
             await self._pause_locked()
             for p in (vmstate, memory):
                 p.unlink(missing_ok=True)
-            jailed = self._paths.root is not None
-            out_state = self._paths.host_file("capture.vmstate") if jailed else vmstate
-            out_mem = self._paths.host_file("capture.memory") if jailed else memory
+            # jailed: written in the chroot (all Firecracker can reach), then renamed out
+            out_state = jail.host_file("capture.vmstate") if jailed else vmstate
+            out_mem = jail.host_file("capture.memory") if jailed else memory
             await self._call(
                 "PUT",
                 "/snapshot/create",
                 {
                     "snapshot_type": "Full" if kind is CaptureKind.FULL else "Diff",
-                    "snapshot_path": self._paths.inside(out_state),
-                    "mem_file_path": self._paths.inside(out_mem),
+                    "snapshot_path": jail.inside(out_state),
+                    "mem_file_path": jail.inside(out_mem),
                 },
             )
             if jailed:
-                os.replace(out_state, vmstate)
-                os.replace(out_mem, memory)
+                await trio.to_thread.run_sync(jail.take_out, out_state, vmstate)
+                await trio.to_thread.run_sync(jail.take_out, out_mem, memory)
             self._has_base = True
             self.full_next = False
             if kind is CaptureKind.FULL:
@@ -509,10 +465,19 @@ class FirecrackerVm(Vm):
             try:
                 vmm["state"] = (await self._call("GET", "/"))["state"]
                 await self._call("PUT", "/actions", {"action_type": "FlushMetrics"})
-                vmm["metrics"] = await trio.to_thread.run_sync(_last_json_line, self._paths.host_file("metrics.json"))
+                vmm["metrics"] = await trio.to_thread.run_sync(_last_json_line, self._jail.host_file("metrics.json"))
             except (VmmApiError, VmmExited):
                 pass
         return self._process_stats(vmm)
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` has not exited (a zombie has)."""
+    try:
+        os.stat(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    return True
 
 
 def _last_json_line(path: Path) -> dict[str, Any]:
