@@ -16,6 +16,7 @@ that returned something else would make the OpenAPI document lie).
 from __future__ import annotations
 
 import hmac
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Optional
@@ -26,12 +27,13 @@ from quart_trio import QuartTrio
 from ..runtime import Node
 from .body import parse_body
 from .context import ApiContext, Handler, HandlerResult, Reply, SandboxService
-from .errors import error_response, install_error_handlers
+from .errors import ApiError, error_response, install_error_handlers
 from .handlers import HANDLERS
 from .metrics import ApiMetrics
 from .models import ResponseModel
 from .openapi import build_openapi
-from .routes import ROUTES, Route, quart_path
+from .query import parse_query
+from .routes import PATH_CONVERTERS, PATH_PATTERNS, ROUTES, Route, anchored, quart_path
 
 __all__ = ["create_app", "API_CONTEXT"]
 
@@ -65,6 +67,7 @@ def _render(route: Route, result: HandlerResult) -> Response:
         body = result
     if body is None:
         resp = Response("", status=status)
+        del resp.headers["Content-Type"]  # no body, no type (Quart's default would say text/html)
     else:
         resp = jsonify(_checked(route, body))
         resp.status_code = status
@@ -82,8 +85,21 @@ def _make_view(route: Route, handler: Optional[Handler], api: ApiContext) -> Cal
 
         return not_implemented
 
+    path_patterns = {name: anchored(PATH_PATTERNS[name]) for name in re.findall(r"\{(\w+)\}", route.path)
+                     if name in PATH_PATTERNS}
+    header_patterns = [(h, anchored(h.pattern)) for h in route.headers]
+
     async def view(**params: str) -> Response:
+        for name, rx in path_patterns.items():
+            if not rx.match(params[name]):
+                raise ApiError(400, f"path parameter {name!r} must match {PATH_PATTERNS[name]}, got {params[name]!r}")
+        for header, rx in header_patterns:
+            value = request.headers.get(header.name)
+            if value is not None and not rx.match(value):
+                raise ApiError(400, f"header {header.name!r} must match {header.pattern}")
         kwargs: dict[str, Any] = dict(params)
+        if route.query is not None:
+            kwargs["query"] = parse_query(route.query, request.args)
         if route.request is not None:
             kwargs["body"] = await parse_body(route.request)
         return _render(route, await handler(api, **kwargs))
@@ -96,6 +112,8 @@ def create_app(node: Node, *, sandboxes: Optional[SandboxService] = None,
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    for converter_name, converter in PATH_CONVERTERS.values():
+        app.url_map.converters[converter_name] = converter
     handlers = {**HANDLERS, **(extra_handlers or {})}
     by_endpoint: dict[str, Route] = {}
     metrics = ApiMetrics(node)
@@ -115,7 +133,7 @@ def create_app(node: Node, *, sandboxes: Optional[SandboxService] = None,
             strict_slashes=False,
         )
     implemented = {r.operation_id for r in ROUTES if r.operation_id in handlers}
-    document = build_openapi(implemented)
+    document = build_openapi(implemented, node.cfg)
     app.extensions["aenv_openapi"] = document
     install_error_handlers(app)
 

@@ -18,9 +18,9 @@ from pydantic_core import ErrorDetails
 from quart import request
 
 from .errors import ApiError
-from .models import MAX_JSON_BODY, RequestModel, RequestTooLarge
+from .models import MAX_JSON_BODY, PATTERN_WORDS, RequestModel, RequestTooLarge
 
-__all__ = ["parse_body", "validate_body", "describe_error"]
+__all__ = ["parse_body", "validate_body", "describe_error", "needs_body"]
 
 M = TypeVar("M", bound=RequestModel)
 
@@ -55,43 +55,61 @@ def _too_large(err: ErrorDetails) -> bool:
     return err["type"] in _TOO_LARGE or isinstance(ctx.get("error"), RequestTooLarge)
 
 
-def describe_error(err: ErrorDetails) -> str:
-    """One user-facing sentence for one pydantic error, naming the field by its wire name."""
+def describe_error(err: ErrorDetails, *, noun: str = "field") -> str:
+    """One user-facing sentence for one pydantic error, naming the field (``noun``: "field" for a body, "query
+    parameter" for a query) by its wire name."""
     loc = tuple(err["loc"])
     kind = err["type"]
     ctx: dict[str, Any] = dict(err.get("ctx") or {})
     if loc and loc[-1] == "[key]":  # a dict's key: named by the dict it is in
         field = _location(loc[:-2])
         if kind == "string_too_long":
-            return f"a key of field {field!r} must be at most {ctx['max_length']} characters"
+            return f"a key of {noun} {field!r} must be at most {ctx['max_length']} characters"
         if kind == "string_too_short":
-            return f"a key of field {field!r} must not be empty"
-    name = _location(loc)
+            return f"a key of {noun} {field!r} must not be empty"
+    name = f"{noun} {_location(loc)!r}"
     if isinstance(ctx.get("error"), RequestTooLarge):
         return str(ctx["error"])
     if kind == "too_long":
         got = err["input"]
-        return f"field {name!r} must have at most {ctx['max_length']} entries, got {len(got)}" \
-            if isinstance(got, (dict, list)) else f"field {name!r} must have at most {ctx['max_length']} entries"
+        return f"{name} must have at most {ctx['max_length']} entries, got {len(got)}" \
+            if isinstance(got, (dict, list)) else f"{name} must have at most {ctx['max_length']} entries"
+    if kind == "too_short":
+        return f"{name} must have at least {ctx['min_length']} entries"
     if kind == "string_too_long":
-        return f"field {name!r} must be at most {ctx['max_length']} characters"
+        return f"{name} must be at most {ctx['max_length']} characters"
+    if kind == "string_too_short":
+        return f"{name} must be at least {ctx['min_length']} characters"
+    if kind == "string_pattern_mismatch":
+        words = PATTERN_WORDS.get(ctx["pattern"])
+        return f"{name} must be {words}, got {err['input']!r}" if words else f"{name} must match {ctx['pattern']}"
     if kind == "missing":
-        return f"field {name!r} is required"
+        return f"{name} is required"
     if kind in _TYPE_NAMES:
         got = _JSON_TYPES.get(type(err["input"]), type(err["input"]).__name__)
-        return f"field {name!r} must be {_TYPE_NAMES[kind]}, got {got}"
+        return f"{name} must be {_TYPE_NAMES[kind]}, got {got}"
     if kind == "greater_than_equal":
-        return f"field {name!r} must be >= {ctx['ge']}"
+        return f"{name} must be >= {ctx['ge']}"
     if kind == "less_than_equal":
-        return f"field {name!r} must be <= {ctx['le']}"
+        return f"{name} must be <= {ctx['le']}"
     if kind in ("literal_error", "enum"):
-        return f"field {name!r} must be {ctx.get('expected', 'one of the documented values')}"
-    return f"field {name!r}: {err['msg']}" if name else err["msg"]
+        return f"{name} must be {ctx.get('expected', 'one of the documented values')}, got {err['input']!r}"
+    if kind == "value_error" and ctx.get("error") is not None:
+        if not loc:
+            return str(ctx["error"])
+        return f"{name} {ctx['error']}, got {err['input']!r}" if noun != "field" else f"{name} {ctx['error']}"
+    return f"{name}: {err['msg']}" if loc else err["msg"]
+
+
+#: errors of a value of the right type that the node cannot take (a name that breaks its pattern, an ENV step's
+#: odd arguments): a 400, as they were when the layers below found them; a wrong type or range is a 422
+_BAD_VALUE = frozenset({"string_pattern_mismatch", "value_error"})
 
 
 def validate_body(model: type[M], body: Any) -> M:
-    """Validate decoded JSON with ``model``; a wrong shape is a 422 naming the first bad field, a field over a
-    size limit (``models.py``, limits) a 400 naming it and the limit."""
+    """Validate decoded JSON with ``model``; a wrong shape is a 422 naming the first bad field; a field over a
+    size limit (``models.py``, limits) is a 400 naming it and the limit, and so is a value that breaks its
+    pattern or a rule of its model."""
     if not isinstance(body, dict):
         raise ApiError(422, "request body must be a JSON object")
     try:
@@ -101,11 +119,24 @@ def validate_body(model: type[M], body: Any) -> M:
         if not errors:
             raise ApiError(422, str(exc)) from None
         big = [e for e in errors if _too_large(e)]
-        raise ApiError(400 if big else 422, describe_error((big or errors)[0])) from None
+        first = (big or errors)[0]
+        raise ApiError(400 if big or first["type"] in _BAD_VALUE else 422, describe_error(first)) from None
 
 
-def _needs_body(model: type[RequestModel]) -> bool:
-    return any(f.is_required() for f in model.model_fields.values())
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: one whose value is whole is an integer (JSON Schema's integer:
+    ``30.0`` is 30), any other a float. No request field is a float, so only integers meet this."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def needs_body(model: type[RequestModel]) -> bool:
+    """Whether a request must carry a body: ``{}`` is not a valid one (a required field, a rule of the model)."""
+    try:
+        model.model_validate({})
+    except ValidationError:
+        return True
+    return False
 
 
 async def parse_body(model: type[M]) -> M:
@@ -121,11 +152,11 @@ async def parse_body(model: type[M]) -> M:
             raise too_large
     raw = bytes(chunks)
     if not raw.strip():
-        if _needs_body(model):
+        if needs_body(model):
             raise ApiError(400, "request body must be a JSON object")
         return model.model_validate({})
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_float=_number)
     except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     return validate_body(model, body)

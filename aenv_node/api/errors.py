@@ -33,6 +33,8 @@ from ..runtime.errors import (
     TemplateBuildFailed,
     TemplateNotFound,
     TemplateNotReady,
+    TemplateBusy,
+    TemplateProtected,
     TemplateRequestError,
 )
 from ..snapshot.envd import EnvdUnavailable
@@ -78,7 +80,9 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     # runtime
     TemplateNotFound: 404,
     TemplateRequestError: 400,
-    TemplateBuildFailed: 400,
+    TemplateProtected: 403,
+    TemplateBusy: 409,
+    TemplateBuildFailed: 409,
     SnapshotNotFound: 404,
     SandboxNotRunning: 404,
     SandboxConflict: 409,
@@ -154,7 +158,9 @@ def install_error_handlers(app: Quart) -> None:
     @app.errorhandler(HTTPException)
     async def _http(exc: HTTPException) -> Response:
         status = exc.code or 500
-        return error_response(status, _HTTP_MESSAGES.get(status, exc.description or exc.name))
+        # werkzeug's own headers of the answer, e.g. the Allow of a 405 (RFC 9110 requires it)
+        headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+        return error_response(status, _HTTP_MESSAGES.get(status, exc.description or exc.name), headers)
 
     @app.errorhandler(Exception)
     async def _any(exc: Exception) -> Response:

@@ -54,6 +54,11 @@ __all__ = [
     "RequestModel",
     "RequestTooLarge",
     "MAX_JSON_BODY",
+    "PATTERN_WORDS",
+    "worded",
+    "EGRESS_ALLOW_PATTERN",
+    "EGRESS_DENY_PATTERN",
+    "REFRESH_MAX_S",
     "ResponseModel",
     # requests
     "SandboxAutoResumeConfig",
@@ -78,6 +83,7 @@ __all__ = [
     "SandboxNetwork",
     "SandboxDetail",
     "SandboxMetric",
+    "SandboxesWithMetrics",
     "ForkResult",
     "SnapshotInfo",
     "SnapshotDetail",
@@ -148,7 +154,36 @@ EnvVars = Annotated[
     dict[Annotated[str, Field(min_length=1, max_length=ENV_NAME_MAX)], Annotated[str, Field(max_length=ENV_VALUE_MAX)]],
     Field(max_length=ENV_MAX_ENTRIES),
 ]
-EgressRules = Annotated[list[Annotated[str, Field(max_length=EGRESS_RULE_MAX)]], Field(max_length=EGRESS_MAX_RULES)]
+
+# What an egress entry is (net/egress.py): an IPv4 address or CIDR, or (allowOut only) a domain name, `*.` for the
+# names below it; either with `:port` or `:low-high`. Checked here by its pattern, then by the net layer's parser
+# (a range must go low to high, a 400).
+#: what a pattern of a request field means, in words (the 400 names it instead of the regular expression)
+PATTERN_WORDS: dict[str, str] = {}
+
+
+def worded(pattern: str, words: str) -> str:
+    """``pattern``, recorded with the words that describe it to a person."""
+    PATTERN_WORDS[pattern] = words
+    return pattern
+
+
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_ADDRESS = rf"(?:{_OCTET}\.){{3}}{_OCTET}(?:/(?:3[0-2]|[12]?[0-9]))?"
+_DOMAIN = r"(?:\*\.)?(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}\.?"
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+_PORTS = rf"(?::{_PORT}(?:-{_PORT})?)?"
+EGRESS_ALLOW_PATTERN = worded(rf"^(?:{_ADDRESS}|{_DOMAIN}){_PORTS}$",
+                              "an IPv4 address or CIDR, or a domain name, with an optional :port or :low-high")
+EGRESS_DENY_PATTERN = worded(rf"^{_ADDRESS}{_PORTS}$", "an IPv4 address or CIDR with an optional :port or :low-high")
+
+AllowRules = Annotated[list[Annotated[str, Field(max_length=EGRESS_RULE_MAX, pattern=EGRESS_ALLOW_PATTERN)]],
+                       Field(max_length=EGRESS_MAX_RULES)]
+DenyRules = Annotated[list[Annotated[str, Field(max_length=EGRESS_RULE_MAX, pattern=EGRESS_DENY_PATTERN)]],
+                      Field(max_length=EGRESS_MAX_RULES)]
+
+#: the most a refresh extends a sandbox's life by (E2B's maximum)
+REFRESH_MAX_S = 3600
 
 
 class RequestModel(BaseModel):
@@ -201,8 +236,11 @@ class SandboxAutoResumeConfig(RequestModel):
 class SandboxNetworkConfig(RequestModel):
     """Egress policy: CIDRs or domains; ``allowOut`` wins over ``denyOut``."""
 
-    allow_out: Optional[EgressRules] = Field(None, alias="allowOut")
-    deny_out: Optional[EgressRules] = Field(None, alias="denyOut")
+    allow_out: Optional[AllowRules] = Field(
+        None, alias="allowOut", description="IPv4 addresses, CIDRs or domain names (*.example.com: the names below "
+                                           "it), each with an optional :port or :low-high")
+    deny_out: Optional[DenyRules] = Field(
+        None, alias="denyOut", description="IPv4 addresses or CIDRs, each with an optional :port or :low-high")
     allow_public_traffic: Optional[bool] = Field(
         None, alias="allowPublicTraffic",
         description="false: every port but envd's needs the sandbox's trafficAccessToken "
@@ -243,7 +281,12 @@ class Timeout(RequestModel):
 
 
 class Refresh(RequestModel):
-    duration: Optional[int] = Field(None, ge=0, description="seconds to add to the sandbox's life")
+    """POST /sandboxes/{id}/refreshes (E2B): keep the sandbox alive at least ``duration`` seconds from now."""
+
+    duration: Optional[int] = Field(
+        None, ge=0, le=REFRESH_MAX_S,
+        description="the sandbox ends no sooner than this many seconds from now (at least 15; default 15); a "
+                    "refresh never shortens its life")
 
 
 class ResumeSandbox(RequestModel):
@@ -282,8 +325,12 @@ class NetworkUpdate(SandboxNetworkConfig):
 class Error(ResponseModel):
     """Every error the API answers (the SDKs crash on any other error body)."""
 
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"error_code"})
+
     code: int
     message: str
+    error_code: Optional[str] = Field(
+        None, description="E2B's machine-readable code, where one applies (idempotency_request_mismatch)")
 
 
 class Health(ResponseModel):
@@ -447,6 +494,12 @@ class SandboxMetric(ResponseModel):
             "diskUsed": doc.get("disk_used", 0),
             "diskTotal": doc.get("disk_total", 0),
         })
+
+
+class SandboxesWithMetrics(ResponseModel):
+    """GET /sandboxes/metrics: the current sample of each listed sandbox that runs on this node."""
+
+    sandboxes: dict[str, SandboxMetric]
 
 
 class ForkResult(ResponseModel):

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from ..state import BuildStatus, TemplateKind
 from ..state import Template as TemplateRow
 from ..state import TemplateBuild as TemplateBuildRow
 from ..templates import LogEntry, Recipe, Step
-from .models import RequestModel, ResponseModel, Timestamp
+from .models import RequestModel, ResponseModel, Timestamp, worded
 
 __all__ = [
     "AssignTags",
@@ -33,31 +33,88 @@ __all__ = [
     "TemplateBuildRequest",
     "TemplateBuildStart",
     "TemplateBuildStep",
+    "RunStep",
+    "CopyStep",
+    "EnvStep",
+    "WorkdirStep",
+    "UserStep",
+    "NAME_PATTERN",
+    "NAME_TAG_PATTERN",
+    "FILES_HASH_PATTERN",
     "TemplateFileUpload",
     "TemplateRegistryAuth",
     "TemplateRequestResponse",
 ]
 
 
+#: an alias or a tag (``templates/names.py``, NAME_PART): lowercase letters, digits, '-', '_' and '.'
+NAME_PATTERN = worded(r"^[a-z0-9][a-z0-9._-]{0,127}$", "lowercase letters, digits, '-', '_' and '.'")
+#: ``name`` or ``name:tag``
+NAME_TAG_PATTERN = worded(r"^[a-z0-9][a-z0-9._-]{0,127}(:[a-z0-9][a-z0-9._-]{0,127})?$",
+                          "a name of lowercase letters, digits, '-', '_' and '.', optionally with ':tag'")
+#: a COPY step's archive: the sha256 the SDK computes over its files
+FILES_HASH_PATTERN = worded(r"^[0-9a-f]{64}$", "64 lowercase hex characters")
+
+Tag = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
 class TemplateBuildRequest(RequestModel):
     """POST /v3/templates."""
 
-    name: str = Field(min_length=1, description="the template's name, optionally with a tag: name:tag")
-    tags: list[str] = Field(default_factory=list)
+    name: str = Field(pattern=NAME_TAG_PATTERN, description="the template's name, optionally with a tag: name:tag")
+    tags: list[Tag] = Field(default_factory=list)
     cpu_count: Optional[int] = Field(None, alias="cpuCount", ge=1, le=64)
-    memory_mb: Optional[int] = Field(None, alias="memoryMB", ge=128)
-    min_free_disk_mb: Optional[int] = Field(None, alias="minFreeDiskMB", ge=0)
+    memory_mb: Optional[int] = Field(None, alias="memoryMB", ge=128, le=1 << 20)
+    min_free_disk_mb: Optional[int] = Field(None, alias="minFreeDiskMB", ge=0, le=1 << 24)
 
 
-class TemplateBuildStep(RequestModel):
-    type: Literal["RUN", "COPY", "ENV", "WORKDIR", "USER"]
-    args: list[str] = Field(default_factory=list)
-    files_hash: Optional[str] = Field(None, alias="filesHash", pattern=r"^[0-9a-f]{64}$")
+class _Step(RequestModel):
+    """A recipe step (E2B's TemplateStep); ``type`` says which, and how many ``args`` it needs."""
+
+    type: str  # each kind's Literal
+    args: list[str]
+    files_hash: Optional[str] = Field(None, alias="filesHash", pattern=FILES_HASH_PATTERN)
     force: bool = False
     force_upload: Optional[bool] = Field(None, alias="forceUpload")
 
     def to_step(self) -> Step:
         return Step(self.type, tuple(self.args), self.files_hash, self.force)
+
+
+class RunStep(_Step):
+    type: Literal["RUN"]
+    args: list[str] = Field(min_length=1, description="the command, then the user to run it as (optional)")
+
+
+class CopyStep(_Step):
+    type: Literal["COPY"]
+    args: list[str] = Field(min_length=2, description="source, destination, then user and octal mode (optional)")
+    files_hash: str = Field(alias="filesHash", pattern=FILES_HASH_PATTERN,
+                            description="the uploaded archive (GET /templates/{templateID}/files/{hash})")
+
+
+class EnvStep(_Step):
+    type: Literal["ENV"]
+    args: list[str] = Field(min_length=2, description="name, value, name, value...: an even count")
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "EnvStep":
+        if len(self.args) % 2:
+            raise ValueError("must have name, value pairs in args (an even count)")
+        return self
+
+
+class WorkdirStep(_Step):
+    type: Literal["WORKDIR"]
+    args: list[str] = Field(min_length=1, description="the directory")
+
+
+class UserStep(_Step):
+    type: Literal["USER"]
+    args: list[str] = Field(min_length=1, description="the user")
+
+
+TemplateBuildStep = Annotated[Union[RunStep, CopyStep, EnvStep, WorkdirStep, UserStep], Field(discriminator="type")]
 
 
 class TemplateRegistryAuth(RequestModel):
@@ -68,16 +125,32 @@ class TemplateRegistryAuth(RequestModel):
     password: str = Field(repr=False)
 
 
-class TemplateBuildStart(RequestModel):
-    """POST /v2/templates/{templateID}/builds/{buildID}."""
+def _exactly_one_source(schema: dict[str, Any]) -> None:
+    # fromImage or fromTemplate, exactly one (null counts as absent, as everywhere in a request)
+    def only(given: str, absent: str) -> dict[str, Any]:
+        return {"required": [given], "properties": {given: {"type": "string"}, absent: {"type": "null"}}}
 
-    from_image: Optional[str] = Field(None, alias="fromImage")
-    from_template: Optional[str] = Field(None, alias="fromTemplate")
+    schema["anyOf"] = [only("fromImage", "fromTemplate"), only("fromTemplate", "fromImage")]
+
+
+class TemplateBuildStart(RequestModel):
+    """POST /v2/templates/{templateID}/builds/{buildID}: exactly one of ``fromImage`` and ``fromTemplate``."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one_source)
+
+    from_image: Optional[str] = Field(None, alias="fromImage", min_length=1)
+    from_template: Optional[str] = Field(None, alias="fromTemplate", min_length=1)
     from_image_registry: Optional[TemplateRegistryAuth] = Field(None, alias="fromImageRegistry")
     force: bool = False
     steps: list[TemplateBuildStep] = Field(default_factory=list)
     start_cmd: Optional[str] = Field(None, alias="startCmd")
     ready_cmd: Optional[str] = Field(None, alias="readyCmd")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TemplateBuildStart":
+        if (self.from_image is None) == (self.from_template is None):
+            raise ValueError("give exactly one of fromImage and fromTemplate")
+        return self
 
     def to_recipe(self) -> Recipe:
         auth = self.from_image_registry
@@ -221,8 +294,8 @@ class TemplateAlias(ResponseModel):
 class AssignTags(RequestModel):
     """POST /templates/tags: point ``tags`` at the build ``target`` names."""
 
-    target: str = Field(min_length=1, description="name:tag (a bare name: its default build)")
-    tags: list[str] = Field(min_length=1)
+    target: str = Field(pattern=NAME_TAG_PATTERN, description="name:tag (a bare name: its default build)")
+    tags: list[Tag] = Field(min_length=1)
 
 
 class AssignedTags(ResponseModel):
@@ -233,8 +306,8 @@ class AssignedTags(ResponseModel):
 class DeleteTags(RequestModel):
     """DELETE /templates/tags."""
 
-    name: str = Field(min_length=1)
-    tags: list[str] = Field(min_length=1)
+    name: str = Field(pattern=NAME_TAG_PATTERN, description="the template (an id or alias)")
+    tags: list[Tag] = Field(min_length=1)
 
 
 class TemplateTag(ResponseModel):

@@ -22,6 +22,8 @@ __all__ = [
     "StateDiskFull",
     "PoolInUse",
     "TemplateRequestError",
+    "TemplateProtected",
+    "TemplateBusy",
     "TemplateBuildFailed",
 ]
 
@@ -59,6 +61,14 @@ class PoolInUse(RuntimeLayerError):
 
 class TemplateRequestError(RuntimeLayerError):
     """A template build request the node cannot take (a bad name, a build started twice)."""
+
+
+class TemplateProtected(TemplateRequestError):
+    """The node's own templates (``base``, ``code-interpreter-v1``): no build, tag or delete of them by request."""
+
+
+class TemplateBusy(TemplateRequestError):
+    """A template with a build in progress cannot be deleted, and a build cannot be started twice."""
 
 
 class TemplateBuildFailed(RuntimeLayerError):

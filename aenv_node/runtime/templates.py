@@ -42,6 +42,7 @@ from ..templates import (
     CODE_INTERPRETER,
     DEFAULT_TAG,
     NAME_PART,
+    RESERVED_NAMES,
     BuildMachine,
     BuildLog,
     ImageConverter,
@@ -64,7 +65,15 @@ from ..templates import (
 )
 from ..vmm import FirecrackerDriver, kill_recorded
 from .builds_in_progress import BuildsInProgress
-from .errors import NodeNotReady, TemplateBuildFailed, TemplateNotFound, TemplateNotReady, TemplateRequestError
+from .errors import (
+    NodeNotReady,
+    TemplateBuildFailed,
+    TemplateBusy,
+    TemplateNotFound,
+    TemplateNotReady,
+    TemplateProtected,
+    TemplateRequestError,
+)
 from .parts import NodeParts
 
 __all__ = ["BuildRequest", "BuildStatusView", "TagView", "TemplateService", "envd_version"]
@@ -253,6 +262,8 @@ class TemplateService:
             raise TemplateRequestError(f"template name {name!r}: use lowercase letters, digits, '-', '_' and '.' "
                                        "(optionally ':tag')")
         self._check_own(alias)
+        if alias in RESERVED_NAMES:
+            raise TemplateProtected(f"{alias!r} cannot name a template: it is a word of the API's paths")
         all_tags = list(dict.fromkeys([tag or DEFAULT_TAG, *tags]))
         _check_tags(all_tags)
         return await self._register(alias, all_tags, name, cpu_count=cpu_count, memory_mb=memory_mb,
@@ -260,7 +271,7 @@ class TemplateService:
 
     def _check_own(self, alias: str) -> None:
         if alias in (self.parts.cfg.sandbox.default_template, *self._builtin_names()):
-            raise TemplateRequestError(f"template {alias!r} is one of this node's own templates")
+            raise TemplateProtected(f"template {alias!r} is one of this node's own templates")
 
     def _builtin_names(self) -> tuple[str, ...]:
         return (CODE_INTERPRETER,) if self.parts.cfg.templates.code_interpreter else ()
@@ -307,7 +318,7 @@ class TemplateService:
             raise TemplateNotFound(f"build {build_id} of template {template_id} not found")
         t, b = found
         if b.status != BuildStatus.WAITING or build_id in self._started:
-            raise TemplateRequestError(f"build {build_id} was already started (status {b.status})")
+            raise TemplateBusy(f"build {build_id} was already started (status {b.status})")
         if self._nursery is None:
             raise NodeNotReady("the template service is not running")
         self._started.add(build_id)
@@ -394,7 +405,7 @@ class TemplateService:
             busy = s.scalars(select(TemplateBuild.id).where(
                 TemplateBuild.template_id == t.id, TemplateBuild.status == BuildStatus.BUILDING)).first()
             if busy is not None or self._in_progress.busy(t.id):
-                raise TemplateRequestError(f"template {name!r} has a build in progress; delete it after")
+                raise TemplateBusy(f"template {name!r} has a build in progress; delete it after")
             users = s.scalar(select(func.count()).select_from(Sandbox).where(
                 Sandbox.template_id == t.id, Sandbox.state != SandboxState.KILLED)) or 0
             snapshots = s.scalars(select(Snapshot).where(
@@ -413,7 +424,7 @@ class TemplateService:
         if done is None:
             return False
         if done is False:
-            raise TemplateRequestError(f"template {name!r} is one of this node's own templates")
+            raise TemplateProtected(f"template {name!r} is one of this node's own templates")
         self.parts.gc.request("template_delete")
         return True
 

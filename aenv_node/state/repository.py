@@ -26,6 +26,7 @@ __all__ = [
     "update_sandbox",
     "live_sandboxes",
     "set_end",
+    "extend_end",
 ]
 
 S = SandboxState
@@ -190,3 +191,13 @@ def set_end(session: Session, sandbox_id: str, timeout_s: int) -> Sandbox:
     end = utcnow() + dt.timedelta(seconds=timeout_s)
     return update_sandbox(session, sandbox_id, operation="set_timeout", detail={"timeout_s": timeout_s},
                           end_at=end)
+
+
+def extend_end(session: Session, sandbox_id: str, seconds: int) -> Sandbox:
+    """The sandbox ends no sooner than ``seconds`` from now (E2B's refresh: it never shortens a life), with its
+    event when that moves its end."""
+    sb = get_sandbox(session, sandbox_id)
+    end = utcnow() + dt.timedelta(seconds=seconds)
+    if sb.end_at >= end:
+        return sb
+    return update_sandbox(session, sandbox_id, operation="refresh", detail={"duration_s": seconds}, end_at=end)

@@ -11,7 +11,7 @@ from .build import BuildResult, GuestDefaults, TemplateSource, build_template
 from .convert import ConvertedImage, ImageConverter
 from .errors import GuestExecError, ImageHasNoShell, TemplateBuildError
 from .machine import BuildMachine
-from .names import DEFAULT_TAG, NAME_PART, NamedBuild, assign_tags, find_template, lookup, split_name
+from .names import DEFAULT_TAG, NAME_PART, RESERVED_NAMES, NamedBuild, assign_tags, find_template, lookup, split_name
 from .recipe import BuildLog, LogEntry, Recipe, Step
 from .recipe_build import RecipeInputs, build_recipe, parent_template
 from .steps import StepFailed
@@ -19,6 +19,7 @@ from .steps import StepFailed
 __all__ = [
     "CODE_INTERPRETER",
     "DEFAULT_TAG",
+    "RESERVED_NAMES",
     "NAME_PART",
     "NamedBuild",
     "assign_tags",

@@ -19,13 +19,16 @@ from sqlalchemy.orm import Session
 from ..state import EventSubject, Snapshot, SnapshotStatus, Template, TemplateBuild, TemplateTag, utcnow
 from ..state.repository import record_event
 
-__all__ = ["DEFAULT_TAG", "NAME_PART", "NamedBuild", "assign_tags", "find_template", "lookup", "split_name"]
+__all__ = ["DEFAULT_TAG", "NAME_PART", "RESERVED_NAMES", "NamedBuild", "assign_tags", "find_template", "lookup", "split_name"]
 
 #: what a bare template name means
 DEFAULT_TAG = "default"
 
 #: an alias or a tag: lowercase letters, digits, '-', '_' and '.'
 NAME_PART = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+
+#: names no template may take: ``/templates/tags`` is the API's tags route, not the template ``tags``
+RESERVED_NAMES = ("tags",)
 
 
 def split_name(name: str) -> tuple[str, str | None]:

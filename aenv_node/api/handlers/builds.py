@@ -30,15 +30,7 @@ from ..template_models import (
 from ...templates import touch
 from ..context import ApiContext, Handler
 from ..errors import ApiError
-from .node import query_int
-
-_HASH_CHARS = frozenset("0123456789abcdef")
-
-
-def _check_hash(h: str) -> None:
-    if len(h) != 64 or not set(h) <= _HASH_CHARS:
-        raise ApiError(400, f"files hash must be 64 lowercase hex characters, got {h!r}")
-
+from ..query import BuildStatusQuery, UploadQuery
 
 def _upload_token(api: ApiContext, template_id: str, files_hash: str) -> str:
     return hmac.new(api.node.api_key.encode(), f"{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
@@ -53,20 +45,13 @@ async def create_template(api: ApiContext, body: TemplateBuildRequest) -> Templa
 
 
 async def start_template_build(api: ApiContext, templateID: str, buildID: str, body: TemplateBuildStart) -> None:
-    if bool(body.from_image) == bool(body.from_template):
-        raise ApiError(400, "give exactly one of fromImage and fromTemplate")
-    for i, step in enumerate(body.steps, 1):
-        need = {"RUN": 1, "COPY": 2, "ENV": 2, "WORKDIR": 1, "USER": 1}[step.type]
-        if len(step.args) < need or (step.type == "ENV" and len(step.args) % 2):
-            raise ApiError(400, f"step {i} ({step.type}) has arguments {step.args!r}")
-        if step.type == "COPY" and not step.files_hash:
-            raise ApiError(400, f"step {i} (COPY) has no filesHash")
+    """The recipe's rules (one source, each step's arguments, a COPY's filesHash) are its model's."""
     await api.sandboxes.templates.start_build(templateID, buildID, body.to_recipe())
 
 
-async def get_template_build_status(api: ApiContext, templateID: str, buildID: str) -> TemplateBuildInfo:
-    offset = query_int("logsOffset", 0, lo=0, hi=10**9)
-    view = await api.sandboxes.templates.build_status(templateID, buildID, offset)
+async def get_template_build_status(api: ApiContext, templateID: str, buildID: str,
+                                    query: BuildStatusQuery) -> TemplateBuildInfo:
+    view = await api.sandboxes.templates.build_status(templateID, buildID, query.logs_offset)
     entries = [BuildLogEntry.of(e) for e in view.entries]
     reason = None
     if view.error is not None:
@@ -77,7 +62,6 @@ async def get_template_build_status(api: ApiContext, templateID: str, buildID: s
 
 
 async def get_template_files(api: ApiContext, templateID: str, hash: str) -> TemplateFileUpload:
-    _check_hash(hash)
     templates = api.sandboxes.templates
     if (templates.files_dir / f"{hash}.tar").is_file():
         touch([templates.files_dir / f"{hash}.tar"])  # the build that follows uses it: its expiry starts again
@@ -87,10 +71,9 @@ async def get_template_files(api: ApiContext, templateID: str, hash: str) -> Tem
     return TemplateFileUpload(present=False, url=url)
 
 
-async def upload_template_files(api: ApiContext, templateID: str, hash: str) -> None:
-    _check_hash(hash)
-    token = request.args.get("token", "")
-    if not hmac.compare_digest(token.encode(), _upload_token(api, templateID, hash).encode()):
+async def upload_template_files(api: ApiContext, templateID: str, hash: str, query: UploadQuery) -> None:
+    """The hash's format is checked by the app (the route's path pattern), the token here."""
+    if not hmac.compare_digest(query.token.encode(), _upload_token(api, templateID, hash).encode()):
         raise ApiError(401, "invalid or missing upload token")
     files_dir: Path = api.sandboxes.templates.files_dir
     files_dir.mkdir(parents=True, exist_ok=True)

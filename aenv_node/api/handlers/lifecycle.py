@@ -9,14 +9,17 @@ not found") or for a condition the service does not know (a timeout over the nod
 
 from __future__ import annotations
 
-import re
+import logging
 
+import trio
 from quart import request
+from sqlalchemy import select
 
 from ...state import Sandbox as SandboxRow
 from ...state import SandboxState
 from ...state.errors import NotFound
-from ...state.repository import get_sandbox
+from ...snapshot.envd import EnvdUnavailable
+from ...state.repository import extend_end, get_sandbox
 from ..context import ApiContext, CreateRequest, Handler, Reply
 from ..errors import ApiError, status_for
 from ..models import (
@@ -28,16 +31,19 @@ from ..models import (
     NewSandbox,
     NewSnapshot,
     PauseSandbox,
+    Refresh,
     ResumeSandbox,
     Sandbox,
+    SandboxesWithMetrics,
     SandboxMetric,
     SnapshotInfo,
+    e2b_state,
 )
+from ..query import SandboxesMetricsQuery, SandboxMetricsQuery
+from ..routes import IDEMPOTENCY_KEY
 from .sandboxes import check_timeout
 
-# what E2B's SDK sends ([a-z0-9-]), and the other characters such keys commonly have
-_IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9_-]{1,255}")
-
+log = logging.getLogger(__name__)
 
 def _sandbox(api: ApiContext, row: SandboxRow) -> Sandbox:
     return Sandbox.from_row(row, node_id=api.node.node_id, domain=api.cfg.api.domain)
@@ -49,9 +55,7 @@ async def create_sandbox_v2(api: ApiContext, body: NewSandbox) -> Sandbox:
     timeout = body.timeout if body.timeout is not None else cfg.default_timeout_s
     check_timeout(api.cfg, timeout)
     network = body.network
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and not _IDEMPOTENCY_KEY.fullmatch(key):
-        raise ApiError(400, "Idempotency-Key must be 1 to 255 letters, digits, '-' or '_'")
+    key = request.headers.get(IDEMPOTENCY_KEY.name)  # its format is checked by the app (routes.IDEMPOTENCY_KEY)
     req = CreateRequest(
         template=body.template_id or cfg.default_template,
         timeout_s=timeout,
@@ -130,13 +134,59 @@ async def update_sandbox_network(api: ApiContext, sandboxID: str, body: NetworkU
     await api.sandboxes.update_network(sandboxID, allow_out=body.allow_out, deny_out=body.deny_out)
 
 
-async def get_sandbox_metrics(api: ApiContext, sandboxID: str) -> list[SandboxMetric]:
-    """The guest's current figures (envd's /metrics); empty while the sandbox is not running here."""
+async def get_sandbox_metrics(api: ApiContext, sandboxID: str, query: SandboxMetricsQuery) -> list[SandboxMetric]:
+    """The guest's current figures (envd's /metrics); empty while the sandbox is not running here, or while its
+    guest does not answer (it is being paused, or just resumed): a sample is for now, there is none to give."""
     sb = await api.node.db.run(lambda s: get_sandbox(s, sandboxID))
-    doc = await api.sandboxes.guest_metrics(sandboxID)
+    try:
+        doc = await api.sandboxes.guest_metrics(sandboxID)
+    except EnvdUnavailable as exc:
+        log.info("no metrics of sandbox %s: %s", sandboxID, exc)
+        return []
     if doc is None:
         return []
     return [SandboxMetric.from_envd(doc, cpu_count=sb.cpu_count)]
+
+
+#: how many sandboxes' envd ``list_sandboxes_metrics`` asks at once
+_METRICS_CONCURRENCY = 8
+
+
+async def list_sandboxes_metrics(api: ApiContext, query: SandboxesMetricsQuery) -> SandboxesWithMetrics:
+    """The current sample of each listed sandbox that runs on this node (others are left out, as E2B does)."""
+    ids = list(dict.fromkeys(query.sandbox_ids))
+    rows = await api.node.db.run(lambda s: {sb.id: sb for sb in s.scalars(
+        select(SandboxRow).where(SandboxRow.id.in_(ids), SandboxRow.state == SandboxState.RUNNING))})
+    found: dict[str, SandboxMetric] = {}
+    limiter = trio.CapacityLimiter(_METRICS_CONCURRENCY)
+
+    async def sample(sb: SandboxRow) -> None:
+        async with limiter:
+            try:
+                doc = await api.sandboxes.guest_metrics(sb.id)
+            except EnvdUnavailable:
+                return  # it stopped answering (being paused, killed): as if it did not run
+        if doc is not None:
+            found[sb.id] = SandboxMetric.from_envd(doc, cpu_count=sb.cpu_count)
+
+    async with trio.open_nursery() as nursery:
+        for sb in rows.values():
+            nursery.start_soon(sample, sb)
+    return SandboxesWithMetrics(sandboxes={i: found[i] for i in ids if i in found})
+
+
+#: the least a refresh keeps a sandbox alive (E2B's default and minimum)
+REFRESH_MIN_S = 15
+
+
+async def refresh_sandbox(api: ApiContext, sandboxID: str, body: Refresh) -> None:
+    """E2B's refresh: the running sandbox ends no sooner than ``duration`` seconds from now (at least 15)."""
+    sb = await api.node.db.run(lambda s: get_sandbox(s, sandboxID))
+    if e2b_state(sb.state) != "running":
+        raise ApiError(404, f"sandbox {sandboxID} is not running")
+    seconds = max(body.duration if body.duration is not None else REFRESH_MIN_S, REFRESH_MIN_S)
+    check_timeout(api.cfg, seconds)
+    await api.node.db.run(extend_end, sandboxID, seconds)
 
 
 HANDLERS: dict[str, Handler] = {
@@ -152,4 +202,6 @@ HANDLERS: dict[str, Handler] = {
     "fork_sandbox": fork_sandbox,
     "update_sandbox_network": update_sandbox_network,
     "get_sandbox_metrics": get_sandbox_metrics,
+    "list_sandboxes_metrics": list_sandboxes_metrics,
+    "refresh_sandbox": refresh_sandbox,
 }

@@ -11,25 +11,22 @@ from __future__ import annotations
 import datetime as dt
 from typing import Optional
 
-from quart import request
 from sqlalchemy.orm import Session
 
 from ...state import Sandbox as SandboxRow
 from ...state import SandboxLog as SandboxLogRow
-from ...state.sandbox_logs import LEVELS, read_lines
+from ...state.sandbox_logs import read_lines
 from ..context import ApiContext, Handler
 from ..errors import ApiError
 from ..models import SandboxLogEntry, SandboxLogLine, SandboxLogs, SandboxLogsV2
-from .node import query_int
-
-MAX_LIMIT = 1000
-MAX_SEARCH = 256
-_MAX_MS = 2**53  # a JavaScript-safe integer: far past any real timestamp
+from ..query import LogsQuery, LogsV2Query
 
 
-def _ms(name: str) -> Optional[dt.datetime]:
-    value = query_int(name, -1, lo=0, hi=_MAX_MS)
-    return None if value < 0 else dt.datetime.fromtimestamp(value / 1000, dt.timezone.utc)
+def _ms(value: Optional[int]) -> Optional[dt.datetime]:
+    return None if value is None else _EPOCH + dt.timedelta(milliseconds=value)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
 
 async def _read(api: ApiContext, sandbox_id: str, *, cursor: Optional[dt.datetime], forward: bool, limit: int,
@@ -43,26 +40,16 @@ async def _read(api: ApiContext, sandbox_id: str, *, cursor: Optional[dt.datetim
     return await api.node.db.run(work)
 
 
-async def get_sandbox_logs(api: ApiContext, sandboxID: str) -> SandboxLogs:
-    rows = await _read(api, sandboxID, cursor=_ms("start"), forward=True,
-                       limit=query_int("limit", MAX_LIMIT, hi=MAX_LIMIT))
+async def get_sandbox_logs(api: ApiContext, sandboxID: str, query: LogsQuery) -> SandboxLogs:
+    rows = await _read(api, sandboxID, cursor=_ms(query.start), forward=True, limit=query.limit)
     entries = [SandboxLogEntry.from_row(r) for r in rows]
     return SandboxLogs(logs=[SandboxLogLine(timestamp=e.timestamp, line=e.message) for e in entries],
                        log_entries=entries)
 
 
-async def get_sandbox_logs_v2(api: ApiContext, sandboxID: str) -> SandboxLogsV2:
-    direction = request.args.get("direction") or "forward"
-    if direction not in ("forward", "backward"):
-        raise ApiError(400, f"direction must be forward or backward, got {direction!r}")
-    level = request.args.get("level") or None
-    if level is not None and level not in LEVELS:
-        raise ApiError(400, f"level must be one of {', '.join(LEVELS)}, got {level!r}")
-    search = request.args.get("search") or None
-    if search is not None and len(search) > MAX_SEARCH:
-        raise ApiError(400, f"search must be at most {MAX_SEARCH} characters")
-    rows = await _read(api, sandboxID, cursor=_ms("cursor"), forward=direction == "forward",
-                       limit=query_int("limit", MAX_LIMIT, hi=MAX_LIMIT), level=level, search=search)
+async def get_sandbox_logs_v2(api: ApiContext, sandboxID: str, query: LogsV2Query) -> SandboxLogsV2:
+    rows = await _read(api, sandboxID, cursor=_ms(query.cursor), forward=query.direction == "forward",
+                       limit=query.limit, level=query.level, search=query.search or None)
     return SandboxLogsV2(logs=[SandboxLogEntry.from_row(r) for r in rows])
 
 

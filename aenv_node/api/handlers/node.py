@@ -5,30 +5,16 @@ from __future__ import annotations
 import datetime as dt
 
 import trio
-from quart import Response, current_app, jsonify, request
+from quart import Response, current_app, jsonify
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ...state import Event as EventRow
 from ...state import Sandbox as SandboxRow
 from ..context import ApiContext, Handler
-from ..errors import ApiError
 from ..metrics import CONTENT_TYPE
 from ..models import Event, Health, NodeInfo
-
-
-def query_int(name: str, default: int, *, lo: int = 1, hi: int = 1000) -> int:
-    """An integer query parameter in [lo, hi]; a 400 naming it otherwise."""
-    raw = request.args.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(400, f"query parameter {name} must be an integer, got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise ApiError(400, f"query parameter {name} must be between {lo} and {hi}")
-    return value
+from ..query import EventsQuery
 
 
 async def health(api: ApiContext) -> Health:
@@ -56,12 +42,11 @@ async def node_info(api: ApiContext) -> NodeInfo:
                     sandboxes=await node.db.run(work))
 
 
-async def list_events(api: ApiContext) -> list[Event]:
+async def list_events(api: ApiContext, query: EventsQuery) -> list[Event]:
     """The newest ``limit`` events, newest first; with ``after`` (an event id, the cursor of a follower), the
     ``limit`` events after it, oldest first, so that polling with the last id seen misses none."""
-    limit = query_int("limit", 100)
-    after = query_int("after", -1, lo=0, hi=2**62)
-    sandbox_id = request.args.get("sandboxID")
+    limit, sandbox_id = query.limit, query.sandbox_id
+    after = query.after if query.after is not None else -1
 
     def work(s: Session) -> list[Event]:
         if after >= 0:

@@ -7,13 +7,9 @@ resume or fork sandboxes are in ``lifecycle.py``.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime as dt
-import json
 from urllib.parse import parse_qsl, unquote
 
-from quart import request
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
@@ -24,63 +20,44 @@ from ...state.repository import set_end
 from ..context import ApiContext, Handler, Reply
 from ..errors import ApiError
 from ..models import E2BState, ListedSandbox, SandboxDetail, Timeout, e2b_state
-from .node import query_int
+from ..query import SandboxListQuery, SandboxListV1Query
 
 _E2B_STATES: tuple[E2BState, ...] = ("running", "paused")
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def parse_metadata_filter(raw: str | None) -> dict[str, str]:
-    """Decode the SDK's double-encoded ``metadata`` query (parse_qsl, then unquote)."""
+    """Decode the SDK's double-encoded ``metadata`` query (parse_qsl, then unquote), leniently as E2B's server
+    does (Go's ``url.ParseQuery``): ``k`` alone is ``k=`` and an empty pair is nothing."""
     if not raw:
         return {}
-    try:
-        pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
-    except ValueError:
-        raise ApiError(400, f"metadata filter {raw!r} is not key=value pairs") from None
+    pairs = parse_qsl(raw, keep_blank_values=True)
     return {unquote(k): unquote(v) for k, v in pairs}
 
 
-def _encode_token(started_at: str, sandbox_id: str) -> str:
-    raw = json.dumps([started_at, sandbox_id]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+def encode_token(started_at: dt.datetime, sandbox_id: str) -> str:
+    """``x-next-token``: where a page ended, ``<startedAt in unix microseconds>.<sandbox id>``
+    (``query.NEXT_TOKEN_PATTERN``): exactly the stored start, so no sandbox started in the same millisecond is
+    skipped or listed twice; any token of that form is a place in the order, so a client may also make one."""
+    return f"{(started_at - _EPOCH) // dt.timedelta(microseconds=1)}.{sandbox_id}"
 
 
-def _decode_token(token: str) -> tuple[dt.datetime, str]:
-    try:
-        padded = token + "=" * (-len(token) % 4)
-        started_at, sandbox_id = json.loads(base64.urlsafe_b64decode(padded))
-        when = dt.datetime.fromisoformat(started_at)
-        if when.tzinfo is None:
-            raise ValueError("naive timestamp")
-        return when, str(sandbox_id)
-    except (ValueError, binascii.Error, TypeError):
-        raise ApiError(400, "nextToken is not a token this node issued") from None
+def decode_token(token: str) -> tuple[dt.datetime, str]:
+    us, _, sandbox_id = token.partition(".")
+    return _EPOCH + dt.timedelta(microseconds=int(us)), sandbox_id
 
 
-async def _list(api: ApiContext, *, states: tuple[str, ...], paginate: bool) -> Reply:
-    metadata = parse_metadata_filter(request.args.get("metadata"))
-    raw_state = request.args.get("state")
-    if raw_state:
-        wanted = tuple(s.strip() for s in raw_state.split(",") if s.strip())
-        bad = [s for s in wanted if s not in _E2B_STATES]
-        if bad:
-            raise ApiError(400, f"state filter {','.join(bad)!r}: use running and/or paused")
-        states = wanted
-    order = request.args.get("order", "asc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, "order must be asc or desc")
-    template = request.args.get("template")
-    started_after = None
-    if request.args.get("startedAfter"):
-        try:
-            started_after = dt.datetime.fromisoformat(request.args["startedAfter"].replace("Z", "+00:00"))
-        except ValueError:
-            raise ApiError(400, "startedAfter must be an ISO-8601 timestamp") from None
-        if started_after.tzinfo is None:
-            started_after = started_after.replace(tzinfo=dt.timezone.utc)
-    limit = query_int("limit", 100) if paginate else 10_000
-    token = request.args.get("nextToken") if paginate else None
-    after = _decode_token(token) if token else None
+async def _list(api: ApiContext, query: SandboxListV1Query, *, states: tuple[str, ...],
+                paginate: bool) -> Reply:
+    metadata = parse_metadata_filter(query.metadata)
+    order, template, started_after, limit, after = "asc", None, None, 10_000, None
+    if isinstance(query, SandboxListQuery):
+        if query.state:
+            states = tuple(query.state)
+        order, template, started_after = query.order, query.template, query.started_after
+        if paginate:
+            limit = query.limit
+            after = decode_token(query.next_token) if query.next_token else None
 
     def work(s: Session) -> list[SandboxRow]:
         q = select(SandboxRow)
@@ -117,16 +94,16 @@ async def _list(api: ApiContext, *, states: tuple[str, ...], paginate: bool) -> 
     headers: dict[str, str] = {}
     if paginate and has_more and rows:
         last = rows[-1]
-        headers["x-next-token"] = _encode_token(last.started_at.isoformat(), last.id)
+        headers["x-next-token"] = encode_token(last.started_at, last.id)
     return Reply([ListedSandbox.from_row(sb) for sb in rows], headers=headers)
 
 
-async def list_sandboxes_v2(api: ApiContext) -> Reply:
-    return await _list(api, states=_E2B_STATES, paginate=True)
+async def list_sandboxes_v2(api: ApiContext, query: SandboxListQuery) -> Reply:
+    return await _list(api, query, states=_E2B_STATES, paginate=True)
 
 
-async def list_sandboxes(api: ApiContext) -> Reply:
-    return await _list(api, states=("running",), paginate=False)
+async def list_sandboxes(api: ApiContext, query: SandboxListV1Query) -> Reply:
+    return await _list(api, query, states=("running",), paginate=False)
 
 
 async def get_sandbox(api: ApiContext, sandboxID: str) -> SandboxDetail:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from quart import request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -29,7 +28,7 @@ from ..template_models import (
     TemplateUsage,
     TemplateWithBuilds,
 )
-from .node import query_int
+from ..query import SnapshotsQuery, TemplatesPageQuery
 
 
 def _usage(s: Session, template_ids: list[str]) -> dict[str, TemplateUsage]:
@@ -65,11 +64,9 @@ async def list_templates(api: ApiContext) -> list[Template]:
     return await api.node.db.run(_listed)
 
 
-async def list_templates_v2(api: ApiContext) -> list[Template]:
+async def list_templates_v2(api: ApiContext, query: TemplatesPageQuery) -> list[Template]:
     """``GET /v2/templates``: the same list, paged (``limit``, and ``nextToken``: the last template id seen)."""
-    limit = query_int("limit", 100, lo=1, hi=1000)
-    after = request.args.get("nextToken") or None
-    return await api.node.db.run(_listed, limit, after)
+    return await api.node.db.run(_listed, query.limit, query.next_token or None)
 
 
 async def get_template(api: ApiContext, templateID: str) -> TemplateWithBuilds:
@@ -117,10 +114,8 @@ async def delete_template_tags(api: ApiContext, body: DeleteTags) -> None:
 _LISTED_KINDS = (SnapshotKind.USER, SnapshotKind.PAUSE, SnapshotKind.PERIODIC)
 
 
-async def list_snapshots(api: ApiContext) -> list[SnapshotDetail]:
-    limit = query_int("limit", 100)
-    sandbox_id = request.args.get("sandboxID")
-    name = request.args.get("name")
+async def list_snapshots(api: ApiContext, query: SnapshotsQuery) -> list[SnapshotDetail]:
+    limit, sandbox_id, name = query.limit, query.sandbox_id, query.name
 
     def work(s: Session) -> list[SnapshotDetail]:
         q = (select(SnapshotRow).where(SnapshotRow.status == SnapshotStatus.COMMITTED)

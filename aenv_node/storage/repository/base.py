@@ -248,7 +248,10 @@ class Repository(abc.ABC):
     def get_ownership(self, sandbox_id: str) -> Optional[Ownership]:
         """The sandbox's record, or None if it has none (never published, or killed); ``ValueError`` if the
         record is not one this code can read (ownership.py)."""
-        got = self._get_versioned(sandbox_record_id(sandbox_id))
+        record_id = sandbox_record_id(sandbox_id)
+        if _MANIFEST_ID_RE.match(record_id) is None:
+            return None  # no record can have this name: an id no node gave a sandbox (a client's typo)
+        got = self._get_versioned(record_id)
         return None if got is None else Ownership.parse(sandbox_id, *got)
 
     def claim_sandbox(self, sandbox_id: str, owner: str, *, expect: Expect = _READ) -> Ownership:
