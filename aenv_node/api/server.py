@@ -20,8 +20,10 @@ from ..runtime import Node
 from .app import create_app
 from .context import SandboxService
 from .proxy import ASGIApp, Resolution, Resolver, SandboxProxy
+from .request_head import limit_request_head
+from .traffic import Message, Receive, Scope, Send
 
-__all__ = ["ApiServer"]
+__all__ = ["ApiServer", "shield_last_send"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,32 @@ log = logging.getLogger(__name__)
 #: comes back; later, a refused connection is a closed port at once
 JUST_RESTORED_S = 10.0
 JUST_RESTORED_ATTEMPTS = 8
+
+
+def shield_last_send(app: ASGIApp) -> ASGIApp:
+    """``app`` whose last message of a response is sent shielded from cancellation.
+
+    Hypercorn runs its end-of-response bookkeeping (recycle the connection for the next request, or close it)
+    inside that send. Quart-trio cancels its request nursery as soon as the request's messages end, which,
+    when it answered before reading the body (a 401, a 405, a 413), is right then: the bookkeeping was cut
+    and the connection stayed open answering nothing, so a keep-alive client's next request on it hung.
+    """
+
+    async def shielded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_last_shielded(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await app(scope, receive, send_last_shielded)
+
+    return shielded
 
 
 def sandbox_resolver(sandboxes: SandboxService) -> Resolver:
@@ -56,10 +84,11 @@ class ApiServer:
     def __init__(self, node: Node, sandboxes: Optional[SandboxService] = None) -> None:
         self.node = node
         self.app = create_app(node, sandboxes=sandboxes)
+        self.asgi = shield_last_send(cast(ASGIApp, self.app))
         self.bound: list[str] = []
         self.proxy: SandboxProxy | None = None
         if sandboxes is not None:
-            self.proxy = SandboxProxy(cast(ASGIApp, self.app), sandbox_resolver(sandboxes), node.cfg.api.domain)
+            self.proxy = SandboxProxy(self.asgi, sandbox_resolver(sandboxes), node.cfg.api.domain)
             sandboxes.stopped_hooks.append(self.proxy.disconnect)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -71,7 +100,8 @@ class ApiServer:
         hc.keep_alive_timeout = 75
         hc.read_timeout = None  # proxied Connect streams and idle stdin streams stay open
         hc.include_server_header = False
-        app: Any = self.proxy or self.app  # both are ASGI apps; hypercorn's typing knows Quart's only
+        # both are ASGI apps (hypercorn's typing knows Quart's only); the head limits apply to both
+        app: Any = limit_request_head(self.proxy or self.asgi)
         async with contextlib.AsyncExitStack() as stack:
             if self.proxy is not None:
                 await stack.enter_async_context(self.proxy)

@@ -25,6 +25,8 @@ from aenv_node.api.models import (
     METADATA_VALUE_MAX,
 )
 
+from aenv_node.api.request_head import MAX_HEADER_BYTES, MAX_HEADERS
+
 from .test_api import assert_e2b_error
 
 ACCEPTED = 501
@@ -111,3 +113,34 @@ async def test_fields_over_their_limits_are_400_naming_the_field_and_the_limit(l
         r = await _create(c, {"timeout": "soon", "metadata": {"k": "v" * (METADATA_VALUE_MAX + 1)}})
         assert_e2b_error(r, 400, "'metadata.k'")
         assert_e2b_error(await _create(c, {"timeout": "soon"}), 422, "'timeout' must be an integer")
+
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Send ``request`` on a fresh connection and read the answer until the server closes the connection."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = b""
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+async def test_oversized_request_heads_are_431_and_the_node_goes_on(live_node) -> None:
+    """A head over the limits (request_head.py) is refused with 431 in E2B's shape and a closed connection,
+    before a handler runs (a whole head sent at once is not bounded by Hypercorn); one at the limits passes."""
+    key = f"X-API-KEY: {live_node.api_key}\r\n"
+    big = f"X-Pad: {'x' * MAX_HEADER_BYTES}\r\n"
+    many = "".join(f"X-H{i}: v\r\n" for i in range(MAX_HEADERS + 1))
+    for head, what in ((big, "bytes"), (many, "headers")):
+        request = f"GET /v2/sandboxes HTTP/1.1\r\nHost: x\r\n{key}{head}\r\n".encode()
+        answer = await trio.to_thread.run_sync(_raw, live_node.url, request)
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.split()[1] == b"431", answer[:300]
+        body = json.loads(rest.partition(b"\r\n\r\n")[2])
+        assert body["code"] == 431 and "request headers too large" in body["message"] and what in body["message"]
+    async with live_node.client() as c:
+        fits = {f"X-H{i}": "v" for i in range(MAX_HEADERS - 10)}
+        assert (await c.get("/v2/sandboxes", headers=fits)).status_code == 200
+        assert (await c.get("/v2/sandboxes", headers={"X-Pad": "x" * (MAX_HEADER_BYTES // 2)})).status_code == 200
