@@ -144,3 +144,38 @@ async def test_oversized_request_heads_are_431_and_the_node_goes_on(live_node) -
         fits = {f"X-H{i}": "v" for i in range(MAX_HEADERS - 10)}
         assert (await c.get("/v2/sandboxes", headers=fits)).status_code == 200
         assert (await c.get("/v2/sandboxes", headers={"X-Pad": "x" * (MAX_HEADER_BYTES // 2)})).status_code == 200
+
+
+def _keep_alive_pair(url: str, first: bytes, second: bytes) -> list[bytes]:
+    """Send ``first``, read its whole answer, then ``second`` on the same connection; the status lines."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    statuses = []
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        f = s.makefile("rb")
+        for req in (first, second):
+            s.sendall(req)
+            statuses.append(f.readline().strip())
+            length = 0
+            while (line := f.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            f.read(length)
+    return statuses
+
+
+async def test_a_keep_alive_connection_answers_after_an_early_error(live_node) -> None:
+    """A 401 answered before the body is read leaves the connection usable; a 413 answered before its body came
+    closes it (the rest of that body would be read as the next request): either way the client is never left
+    waiting on a connection that answers nothing (the end of a response is shielded from the request's
+    cancellation, server.py; without it the 413's connection hung)."""
+    get = f"GET /v2/sandboxes HTTP/1.1\r\nHost: x\r\nX-API-KEY: {live_node.api_key}\r\n\r\n".encode()
+    body = b'{"templateID": "base"}'
+    unauthorized = (f"POST /v2/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    too_big = (f"POST /v2/sandboxes HTTP/1.1\r\nHost: x\r\nX-API-KEY: {live_node.api_key}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {MAX_JSON_BODY + 1}\r\n\r\n").encode()
+    first = await trio.to_thread.run_sync(_keep_alive_pair, live_node.url, unauthorized, get)
+    assert [line.split()[1] for line in first] == [b"401", b"200"], first
+    second = await trio.to_thread.run_sync(_keep_alive_pair, live_node.url, too_big, get)
+    assert second == [b"HTTP/1.1 413", b""], second  # b"": closed, not left hanging (a timeout raises)
