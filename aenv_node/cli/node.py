@@ -84,6 +84,10 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None, pause_
     node = Node(cfg, Database(cfg.database_path), key, key_path)
     sandboxes = install_sandbox_services(node)
     node.services.append(ApiServer(node, sandboxes=sandboxes))
+    if cfg.cluster.scheduler_url:
+        from ..cluster import HeartbeatSender
+
+        node.services.append(HeartbeatSender(node, slot_capacity=sandboxes.parts.netcfg.capacity))
 
     async def main_task() -> None:
         async with trio.open_nursery() as nursery:
@@ -277,6 +281,7 @@ _PLUGINS = {
     "layer": ("aenv_node.cli.storage", "layer"),
     "image": ("aenv_node.cli.storage", "image"),
     "cache": ("aenv_node.cli.storage", "cache"),
+    "scheduler": ("aenv_node.cli.cluster", "scheduler"),
 }
 for _name, (_module, _attr) in _PLUGINS.items():
     try:

@@ -170,6 +170,13 @@ class LogsSection:
     poll_interval_s: float = 0.5
 
 
+@dataclass(frozen=True)
+class ClusterSection:
+    scheduler_url: str = ""
+    advertise_url: str = ""
+    heartbeat_interval_s: float = 2.0
+
+
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vmm", "kind"): ("auto", "qemu", "firecracker"),
     ("vmm", "accel"): ("auto", "kvm", "tcg"),
@@ -193,6 +200,7 @@ class Config:
     images: ImagesSection = field(default_factory=ImagesSection)
     templates: TemplatesSection = field(default_factory=TemplatesSection)
     logs: LogsSection = field(default_factory=LogsSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     # Derived paths: one place decides the state directory's layout.
     @property
@@ -440,6 +448,16 @@ def _validate(cfg: Config) -> None:
         except ValueError:
             raise ConfigError(f"config net.dns_upstreams: {upstream!r} is not IPV4[:PORT]") from None
     _validate_jailer(cfg.vmm)
+    _validate_cluster(cfg.cluster)
+
+
+def _validate_cluster(cl: ClusterSection) -> None:
+    for key in ("scheduler_url", "advertise_url"):
+        url = getattr(cl, key)
+        if url and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1].strip("/")) > 0):
+            raise ConfigError(f"config cluster.{key}: {url!r} is not an http:// or https:// URL")
+    if cl.heartbeat_interval_s <= 0:
+        raise ConfigError("config cluster.heartbeat_interval_s must be > 0")
 
 
 def _validate_jailer(vm: VmmSection) -> None:

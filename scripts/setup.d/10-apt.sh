@@ -2,4 +2,5 @@
 need_apt sqlite3 e2fsprogs iproute2 nftables iptables kmod cpio zstd \
     qemu-system-x86 qemu-utils debootstrap busybox-static fio \
     fuse3 libfuse3-dev pkg-config binutils xfsprogs gcc python3-dev \
-    docker-registry skopeo umoci apache2-utils openssl tmux
+    docker-registry skopeo umoci apache2-utils openssl tmux \
+    redis-server
