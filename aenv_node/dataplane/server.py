@@ -203,6 +203,10 @@ class DataPlane:
                 leaf = leaf.exceptions[0]
             error = f"{type(leaf).__name__}: {leaf}"
             log.warning("the disk server of %s failed: %s", disk.sandbox_id, error)
+            # not held any more from the moment its error is known (a caller that reads the error and then the
+            # held disks must not see it in both; its image closes below)
+            if self.disks.get(disk.sandbox_id) is disk:
+                del self.disks[disk.sandbox_id]
             self.disk_errors[disk.sandbox_id] = error
             while len(self.disk_errors) > _KEEP_EXITED:
                 self.disk_errors.popitem(last=False)
