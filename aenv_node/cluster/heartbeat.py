@@ -108,16 +108,19 @@ class HeartbeatSender:
         async with httpx.AsyncClient(timeout=5) as client:
             await self.beat(client)
             task_status.started()
-            while not self.node.shutdown.is_set():
-                with trio.move_on_after(self.interval):
-                    await self.node.shutdown.wait()
-                if not self.node.shutdown.is_set():
-                    await self.beat(client)
-            # shielded: a node with nothing to drain stops this service right after, and the scheduler must
-            # hear it drains before it places anything more here (bounded: a scheduler that hangs is no reason
-            # to hold the shutdown)
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await self.beat(client, draining=True)
+            try:
+                while not self.node.shutdown.is_set():
+                    with trio.move_on_after(self.interval):
+                        await self.node.shutdown.wait()
+                    if not self.node.shutdown.is_set():
+                        await self.beat(client)
+            finally:
+                if self.node.shutdown.is_set():
+                    # shielded, and also when the stop cancels a beat in flight: a node with nothing to drain
+                    # stops this service right away, and the scheduler must hear that it drains before it places
+                    # anything more here (bounded: a scheduler that hangs is no reason to hold the shutdown)
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        await self.beat(client, draining=True)
             # the node drains (pauses, publishes); keep saying so until it stops serving
             while not self.node.drained.is_set():
                 with trio.move_on_after(self.interval):

@@ -5,8 +5,9 @@ needs from here and keeps nothing of its own. Each key holds typed records (``mo
 
 - ``<prefix>nodes`` (hash): node id -> ``{"status": NodeStatus, "seen_at": t}``, the last heartbeat and when it
   arrived by Redis's own clock (``TIME``), so that replicas on hosts whose clocks disagree agree on who is alive;
-- ``<prefix>reservations:<node id>`` (hash): placement id -> ``Reservation``, what placements took from a node
-  that its heartbeats do not count yet;
+- ``<prefix>reservations`` (hash): ``<node id>/<placement id>`` -> ``Reservation``, what placements took from a
+  node that its heartbeats do not count yet (one hash for all nodes: a placement reads every node's, and the
+  ones in flight are few);
 - ``<prefix>bindings`` (hash): sandbox id -> ``Binding``.
 
 A reservation lives until a heartbeat is sure to count its sandbox: once the sandbox is bound, the first heartbeat
@@ -27,6 +28,8 @@ from typing import Optional, TypeVar, cast
 
 import redis
 import trio
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from .models import Binding, NodeStatus, NodeView, Reservation
 
@@ -46,9 +49,13 @@ class ClusterStore:
         self.prefix = prefix
         self.node_ttl_s = node_ttl_s
         self.reservation_ttl_s = reservation_ttl_s
+        # a call that fails is retried twice within ~0.3 s, then answered 503: a placement must not hang on a
+        # Redis that is gone (redis-py's default retries back off for seconds)
         self._client: redis.Redis = redis.Redis.from_url(
-            url, socket_timeout=5, socket_connect_timeout=5, max_connections=max_threads, decode_responses=True)
+            url, socket_timeout=5, socket_connect_timeout=5, max_connections=max_threads, decode_responses=True,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 2))
         self._limiter = trio.CapacityLimiter(max_threads)
+        self._parsed: dict[str, tuple[NodeStatus, float]] = {}
 
     def close(self) -> None:
         self._client.close()
@@ -76,9 +83,21 @@ class ClusterStore:
 
     # -- nodes -------------------------------------------------------------------------------------------------
 
+    def _status(self, raw: str) -> tuple[NodeStatus, float]:
+        """A node's record, parsed once per heartbeat: placements between two beats reuse the parse."""
+        got = self._parsed.get(raw)
+        if got is None:
+            doc = json.loads(raw)
+            got = (NodeStatus.model_validate(doc["status"]), float(doc["seen_at"]))
+            if len(self._parsed) > 4096:
+                self._parsed.clear()
+            self._parsed[raw] = got
+        return got
+
     async def heartbeat(self, status: NodeStatus) -> None:
         """Record ``status`` as the node's last heartbeat; release the reservations it now surely counts."""
-        nodes, res_key = self._key("nodes"), self._key("reservations", status.node_id)
+        nodes, res_key = self._key("nodes"), self._key("reservations")
+        mine = status.node_id + "/"
 
         def work(r: redis.Redis) -> None:
             now = self._now(r)
@@ -86,11 +105,13 @@ class ClusterStore:
             prev_seen = json.loads(previous)["seen_at"] if previous else None
             r.hset(nodes, status.node_id, json.dumps({"status": status.model_dump(mode="json"), "seen_at": now}))
             stale = []
-            for pid, raw in r.hgetall(res_key).items():
+            for field, raw in cast(dict[str, str], r.hgetall(res_key)).items():
+                if not field.startswith(mine):
+                    continue
                 res = Reservation.model_validate_json(raw)
                 counted = res.bound_at is not None and prev_seen is not None and res.bound_at < prev_seen
                 if counted or res.at < now - self.reservation_ttl_s:
-                    stale.append(pid)
+                    stale.append(field)
             if stale:
                 r.hdel(res_key, *stale)
 
@@ -99,30 +120,36 @@ class ClusterStore:
     async def forget_node(self, node_id: str) -> bool:
         """Remove a node (it left the cluster); its bindings stay: its published sandboxes resume elsewhere."""
         def work(r: redis.Redis) -> bool:
-            r.delete(self._key("reservations", node_id))
+            res_key = self._key("reservations")
+            held = [f for f in cast(dict[str, str], r.hgetall(res_key)) if f.startswith(node_id + "/")]
+            if held:
+                r.hdel(res_key, *held)
             return bool(r.hdel(self._key("nodes"), node_id))
         return await self._run(work)
 
     async def nodes(self) -> list[NodeView]:
-        """Every known node, alive or not, with what is reserved on it."""
+        """Every known node, alive or not, with what is reserved on it: one round trip to Redis."""
         def work(r: redis.Redis) -> list[NodeView]:
-            now = self._now(r)
-            entries = cast(dict[str, str], r.hgetall(self._key("nodes")))
             pipe = r.pipeline(transaction=False)
-            for node_id in entries:
-                pipe.hvals(self._key("reservations", node_id))
-            reservations: list[list[str]] = pipe.execute() if entries else []
+            pipe.time()
+            pipe.hgetall(self._key("nodes"))
+            pipe.hgetall(self._key("reservations"))
+            (seconds, micros), entries, held = pipe.execute()
+            now = float(seconds) + micros / 1e6
+            reserved: dict[str, tuple[int, int]] = {}
+            for field, raw in cast(dict[str, str], held).items():
+                res = Reservation.model_validate_json(raw)
+                if res.at >= now - self.reservation_ttl_s:
+                    node_id = field.partition("/")[0]
+                    vcpus, memory = reserved.get(node_id, (0, 0))
+                    reserved[node_id] = (vcpus + res.vcpus, memory + res.memory_mb)
             views = []
-            for raw, held in zip(entries.values(), reservations):
-                doc = json.loads(raw)
-                status = NodeStatus.model_validate(doc["status"])
-                live = [res for res in map(Reservation.model_validate_json, held)
-                        if res.at >= now - self.reservation_ttl_s]
-                views.append(NodeView(status=status, seen_at=doc["seen_at"],
-                                      alive=now - doc["seen_at"] <= self.node_ttl_s,
-                                      reserved_vcpus=sum(res.vcpus for res in live),
-                                      reserved_memory_mb=sum(res.memory_mb for res in live)))
-            return sorted(views, key=lambda v: v.status.node_id)
+            for node_id, raw in sorted(cast(dict[str, str], entries).items()):
+                status, seen_at = self._status(raw)
+                vcpus, memory = reserved.get(node_id, (0, 0))
+                views.append(NodeView(status=status, seen_at=seen_at, alive=now - seen_at <= self.node_ttl_s,
+                                      reserved_vcpus=vcpus, reserved_memory_mb=memory))
+            return views
         return await self._run(work)
 
     async def node(self, node_id: str) -> Optional[NodeView]:
@@ -139,30 +166,30 @@ class ClusterStore:
 
         def work(r: redis.Redis) -> None:
             res = Reservation(vcpus=vcpus, memory_mb=memory_mb, at=self._now(r))
-            r.hset(self._key("reservations", node_id), placement_id, res.model_dump_json())
+            r.hset(self._key("reservations"), f"{node_id}/{placement_id}", res.model_dump_json())
 
         await self._run(work)
         return placement_id
 
     async def release(self, node_id: str, placement_id: str) -> None:
         """Give a placement's share back (its create failed)."""
-        await self._run(lambda r: r.hdel(self._key("reservations", node_id), placement_id))
+        await self._run(lambda r: r.hdel(self._key("reservations"), f"{node_id}/{placement_id}"))
 
     # -- bindings ----------------------------------------------------------------------------------------------
 
     async def bind(self, sandbox_id: str, node_id: str, placement_id: Optional[str] = None) -> None:
         """The sandbox lives on the node (created, resumed or moved there); the placement that made it is bound."""
         binding = Binding(sandbox_id=sandbox_id, node_id=node_id)
-        res_key = self._key("reservations", node_id)
+        res_key, field = self._key("reservations"), f"{node_id}/{placement_id}"
 
         def work(r: redis.Redis) -> None:
             r.hset(self._key("bindings"), sandbox_id, binding.model_dump_json())
             if placement_id is None:
                 return
-            raw = r.hget(res_key, placement_id)
+            raw = r.hget(res_key, field)
             if raw is not None:
                 res = Reservation.model_validate_json(raw)
-                r.hset(res_key, placement_id, res.model_copy(update={"bound_at": self._now(r)}).model_dump_json())
+                r.hset(res_key, field, res.model_copy(update={"bound_at": self._now(r)}).model_dump_json())
 
         await self._run(work)
 
