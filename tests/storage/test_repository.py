@@ -341,6 +341,39 @@ def test_sweep_incomplete(repo: Repository, tmp_path: Path) -> None:
     assert repo.list_layers() == []
 
 
+def test_a_linked_upload_of_an_old_layer_survives_the_sweep_of_cut_uploads(tmp_path: Path) -> None:
+    """A layer made long ago is linked into a repository on its filesystem; while the link is hashed, the
+    repository's collector sweeps uploads older than its grace: the upload is not taken for a cut one (the
+    link had the source's old mtime until it was in place, and a publish of the base layer failed with
+    ENOENT under a collector running every 2 s)."""
+    repo = PosixFsRepository(tmp_path / "repo")
+    src = tmp_path / "old.layer"
+    src.write_bytes(os.urandom(32 << 20))
+    long_ago = time.time() - 86400
+    os.utime(src, (long_ago, long_ago))
+    d = "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
+    swept = 0
+    done = threading.Event()
+
+    def sweep() -> None:
+        nonlocal swept
+        while not done.is_set():
+            swept += repo.sweep_incomplete(60)
+
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    try:
+        for _ in range(5):
+            repo.put_layer(d, src)
+            repo.delete_layer(d)
+            os.utime(src, (long_ago, long_ago))
+    finally:
+        done.set()
+        sweeper.join()
+    assert swept == 0
+    no_leftovers(repo)
+
+
 def test_s3_unreachable_is_typed(tmp_path: Path) -> None:
     from aenv_node.storage.repository import S3Repository
 

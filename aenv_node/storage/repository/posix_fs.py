@@ -192,6 +192,10 @@ class PosixFsRepository(Repository):
                 return False
             raise
         try:
+            # its age starts now, before the hash reads it: the link has the source's mtime, and a sweep of
+            # incomplete uploads (sweep_incomplete) running meanwhile took an old-looking temporary name for a
+            # cut upload and removed it under a publish of a large layer
+            os.utime(tmp, None)
             h = hashlib.sha256()
             fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -213,7 +217,7 @@ class PosixFsRepository(Repository):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.utime(tmp, None)  # its age in the repository starts now (gc.py)
+            os.utime(tmp, None)  # its age in the repository starts when it is in place (gc.py)
             self._publish(tmp, final)
             # rename() of a link onto another link of the same inode does nothing and succeeds (POSIX): when
             # a concurrent put of the same layer linked it first, the temporary name is still there
