@@ -64,10 +64,17 @@ def kernel_package(spec: KvmHostSpec) -> str:
     return sorted(names, key=key)[-1]
 
 
+#: what the requirements need on the tree's Python (Debian 12's 3.11.2) but not on this host's: ``pip download``
+#: evaluates environment markers with the interpreter that runs it, whatever ``--python-version`` says, so a
+#: dependency behind ``python_full_version < "3.11.3"`` (redis's async-timeout) would be left out
+GUEST_PYTHON_EXTRAS = ["async-timeout>=4.0.3"]
+
+
 def dependencies() -> list[str]:
-    """The node's runtime requirements, from pyproject.toml (what the venv inside must hold)."""
+    """The node's runtime requirements, from pyproject.toml (what the venv inside must hold), and what they need
+    on the tree's older Python."""
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
-    return list(data["project"]["dependencies"])
+    return [*data["project"]["dependencies"], *GUEST_PYTHON_EXTRAS]
 
 
 def image_hash(spec: KvmHostSpec, kernel: str) -> str:
