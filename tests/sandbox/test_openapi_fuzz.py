@@ -36,7 +36,10 @@ def test_schemathesis_finds_no_failure_on_any_operation(tmp_path: Path) -> None:
     with node_in_tmp("aenv-fuzz-", **limits) as node:
         cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{node.url}/openapi.json",
                "-H", f"X-API-KEY: {node.api_key}", "--no-color",
-               "--report", "junit", "--report-dir", str(tmp_path)]
+               "--report", "junit", "--report-dir", str(tmp_path),
+               # fewer fuzzed examples than the documented run's 25 (CI time; the coverage and stateful phases
+               # are unchanged): AENV_FUZZ_EXAMPLES=25 for the whole run
+               "--max-examples", os.environ.get("AENV_FUZZ_EXAMPLES", "10")]
         if SEED != "random":
             cmd += ["--seed", SEED]
         started = time.monotonic()
