@@ -29,6 +29,7 @@ from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from ..api.errors import error_response
 from .models import NODE_ID_PATTERN, BindingRequest, NodeStatus, PlacementRequest, Placement
 from .placement import NoCapacity, PlacementPolicy, choose_node
 from .store import ClusterStore, StoreUnavailable
@@ -45,12 +46,6 @@ class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _error(status: int, message: str) -> Response:
-    resp = jsonify({"code": status, "message": message})
-    resp.status_code = status
-    return resp
 
 
 async def _body(model: type[M]) -> M:
@@ -75,26 +70,26 @@ def create_scheduler_app(store: ClusterStore, policy: PlacementPolicy, api_key: 
             return None
         given = request.headers.get("X-API-KEY", "")
         if not hmac.compare_digest(given.encode(), api_key.encode()):
-            return _error(401, "missing or wrong X-API-KEY")
+            return error_response(401, "missing or wrong X-API-KEY")
         return None
 
     @app.errorhandler(_Refused)
     async def _refused(exc: _Refused) -> Response:
-        return _error(exc.status, str(exc))
+        return error_response(exc.status, str(exc))
 
     @app.errorhandler(StoreUnavailable)
     async def _store(exc: StoreUnavailable) -> Response:
         log.warning("%s", exc)
-        return _error(503, f"the scheduler's store is unavailable: {exc}")
+        return error_response(503, f"the scheduler's store is unavailable: {exc}")
 
     @app.errorhandler(HTTPException)
     async def _http(exc: HTTPException) -> Response:
-        return _error(exc.code or 500, exc.description or exc.name)
+        return error_response(exc.code or 500, exc.description or exc.name)
 
     @app.errorhandler(Exception)
     async def _any(exc: Exception) -> Response:
         log.exception("error in scheduler handler")
-        return _error(500, "internal error")
+        return error_response(500, "internal error")
 
     def _check_node_id(node_id: str) -> None:
         if not _NODE_ID_RX.match(node_id):
