@@ -256,7 +256,10 @@ class ImageConverter:
             record_event(s, "image_pull", subject=EventSubject.IMAGE, subject_id=image.digest.removeprefix("sha256:"),
                          detail={"reference": image.reference, "canonical": image.canonical, "top_chain": top})
 
-        await self.db.run(write)
+        # two builds of one image finish together: the second merge must see the first's row (SQLite merges
+        # by a read, then an insert: without the lock both inserted and one failed on images.digest)
+        async with self._lock(f"image:{image.digest}"):
+            await self.db.run(write)
 
 
 async def _unpack(layer: OciLayer, root: Path) -> dict[str, object]:
