@@ -159,6 +159,10 @@ listen = "{GUEST_IP}:{NODE_PORT}"
 api_key = "{api_key}"
 [vmm]
 kind = "{vmm}"
+[sandbox]
+# the VM has one vCPU: a nested guest with two spent its boot in soft lockups, one vCPU waiting on the other
+# (a QEMU+KVM base build hung twice for 180 s in a CI run)
+default_cpu_count = 1
 [net]
 egress = false
 warm_slots = 1
@@ -174,6 +178,11 @@ def _seed(seed: Path, cache_dir: Path, api_key: str, vmm: str, log_level: str, s
         _link_or_copy(f, seed / "kit" / kit.hash / f.name)
     base = ensure_base_rootfs(cache_dir, progress=say)
     _link_or_copy(base, seed / "rootfs" / base.name)
+    # the host's import of that rootfs as a layer, when it made one (storage.import_raw_cached): the node inside
+    # links it instead of reading the 4 GiB image again under double emulation (91 s of a CI run's bring-up)
+    for made in (base.parent / "imported").glob(base.name + ".*"):
+        if made.suffix in (".layer", ".json"):
+            _link_or_copy(made, seed / "rootfs" / "imported" / made.name)
     lists = seed / "apt/lists"
     lists.mkdir(parents=True)
     for f in Path("/var/lib/apt/lists").iterdir():
