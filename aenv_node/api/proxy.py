@@ -229,7 +229,12 @@ class SandboxProxy:
         if target is None:
             await self.app(scope, receive, send)
             return
-        if kind == "http":
+        await self.forward(scope, receive, send, target)
+
+    async def forward(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
+        """Proxy one HTTP exchange or WebSocket to ``target`` as the resolver places it, whatever its headers
+        say (the cluster's gateway forwards API requests to a node this way)."""
+        if scope["type"] == "http":
             await self._proxy_http(scope, receive, send, target)
         else:
             await proxy_websocket(self, scope, receive, send, target)

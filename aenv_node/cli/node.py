@@ -282,6 +282,7 @@ _PLUGINS = {
     "image": ("aenv_node.cli.storage", "image"),
     "cache": ("aenv_node.cli.storage", "cache"),
     "scheduler": ("aenv_node.cli.cluster", "scheduler"),
+    "gateway": ("aenv_node.cli.cluster", "gateway"),
 }
 for _name, (_module, _attr) in _PLUGINS.items():
     try:

@@ -61,7 +61,9 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @dataclass
-class SchedulerProcess:
+class ClusterProcess:
+    """A scheduler or gateway process (``aenv-node scheduler|gateway``) on 127.0.0.1, its output in a log."""
+
     url: str
     api_key: str
     proc: subprocess.Popen[bytes]
@@ -70,7 +72,11 @@ class SchedulerProcess:
 
     def client(self, *, key: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-KEY": self.api_key if key is None else key},
-                            timeout=10)
+                            timeout=120)
+
+    def sdk_env(self) -> dict[str, str]:
+        """The unmodified E2B SDK pointed at a gateway, as a user points it at a node."""
+        return {"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url, "E2B_API_KEY": self.api_key}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -86,31 +92,43 @@ class SchedulerProcess:
         return self.proc.returncode
 
 
-def start_scheduler(tmp: Path, redis_url: str, api_key: str, *extra: str, port: int = 0) -> SchedulerProcess:
+SchedulerProcess = GatewayProcess = ClusterProcess
+
+
+def _start(tmp: Path, command: str, api_key: str, extra: tuple[str, ...], port: int = 0) -> ClusterProcess:
+    """``aenv-node COMMAND --listen 127.0.0.1:PORT --api-key-file F *extra``, once it answers ``/health``."""
     tmp.mkdir(parents=True, exist_ok=True)
     key_file = tmp / "api-key"
     key_file.write_text(api_key)
     port = port or free_port()
-    log_path = tmp / f"scheduler-{port}.log"
-    args = [sys.executable, "-m", "aenv_node.cli.node", "scheduler", "--listen", f"127.0.0.1:{port}",
-            "--redis", redis_url, "--api-key-file", str(key_file), *extra]
+    log_path = tmp / f"{command}-{port}.log"
+    args = [sys.executable, "-m", "aenv_node.cli.node", command, "--listen", f"127.0.0.1:{port}",
+            "--api-key-file", str(key_file), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_")}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    sched = SchedulerProcess(f"http://127.0.0.1:{port}", api_key, proc, log_path, args)
+    started = ClusterProcess(f"http://127.0.0.1:{port}", api_key, proc, log_path, args)
     deadline = time.monotonic() + 30
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"scheduler exited {proc.returncode}: {sched.log()[-3000:]}")
+            pytest.fail(f"{command} exited {proc.returncode}: {started.log()[-3000:]}")
         try:
-            if httpx.get(f"{sched.url}/health", timeout=1).status_code == 200:
-                return sched
+            if httpx.get(f"{started.url}/health", timeout=1).status_code == 200:
+                return started
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            sched.stop(signal.SIGKILL)
-            pytest.fail(f"scheduler did not answer: {sched.log()[-3000:]}")
+            started.stop(signal.SIGKILL)
+            pytest.fail(f"{command} did not answer: {started.log()[-3000:]}")
         time.sleep(0.05)
+
+
+def start_scheduler(tmp: Path, redis_url: str, api_key: str, *extra: str, port: int = 0) -> ClusterProcess:
+    return _start(tmp, "scheduler", api_key, ("--redis", redis_url, *extra), port)
+
+
+def start_gateway(tmp: Path, scheduler_url: str, api_key: str, *extra: str) -> ClusterProcess:
+    return _start(tmp, "gateway", api_key, ("--scheduler", scheduler_url, *extra))
 
 
 @pytest.fixture

@@ -1,0 +1,107 @@
+"""How the gateway makes one listing of several nodes' listings: pure functions over the nodes' JSON answers.
+
+Each node pages its own sandboxes; the cluster's page is cut from all of them so that a client paging through the
+gateway sees every sandbox exactly once, in the order one node would give:
+
+- ``GET /v2/sandboxes``: a node's ``x-next-token`` is a place in a total order (``<startedAt in unix
+  microseconds>.<sandbox id>``, ascending or descending by ``order``), not a cursor of its own, so the gateway
+  sends the client's token to every node, merges their pages in that order and cuts at ``limit``. The cut is
+  exact: a node that answered a full page has nothing before its last item that it did not send, and the merged
+  page ends no later than any full page's last item, so nothing is skipped; the next token is the last item's
+  place, which every node understands.
+- ``GET /sandboxes`` (v1, unpaged): all of them, in start order.
+- ``GET /snapshots``: newest first, cut at ``limit``.
+- ``GET /templates`` and ``/v2/templates``: a template every node holds (``base``, and templates shared through
+  the repository) is listed once; pages are cut from the merged list by the last template id seen, as a node
+  does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+__all__ = [
+    "SandboxPage",
+    "merge_sandbox_pages",
+    "merge_running",
+    "merge_snapshots",
+    "merge_templates",
+    "page_templates",
+    "started_key",
+]
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+Item = dict[str, Any]
+
+
+def _parse_time(text: str) -> dt.datetime:
+    when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+
+
+def started_key(item: Item) -> tuple[int, str]:
+    """A listed sandbox's place in the nodes' order: (startedAt in unix microseconds, sandbox id)."""
+    micros = (_parse_time(str(item["startedAt"])) - _EPOCH) // dt.timedelta(microseconds=1)
+    return micros, str(item["sandboxID"])
+
+
+class SandboxPage:
+    """One node's answer to ``GET /v2/sandboxes``: its items, and whether it has more after them."""
+
+    __slots__ = ("items", "more")
+
+    def __init__(self, items: Sequence[Item], more: bool) -> None:
+        self.items = list(items)
+        self.more = more
+
+
+def merge_sandbox_pages(pages: Iterable[SandboxPage], *, limit: int, descending: bool) -> tuple[list[Item],
+                                                                                               Optional[str]]:
+    """The cluster's page from every node's page of the same query, and its ``x-next-token`` (None: the last)."""
+    pages = list(pages)
+    merged = sorted((item for page in pages for item in page.items), key=started_key, reverse=descending)
+    out = merged[:limit]
+    more = len(merged) > limit or any(page.more for page in pages)
+    if not more or not out:
+        return out, None
+    micros, sandbox_id = started_key(out[-1])
+    return out, f"{micros}.{sandbox_id}"
+
+
+def merge_running(lists: Iterable[Sequence[Item]]) -> list[Item]:
+    """``GET /sandboxes`` (v1): every node's running sandboxes, oldest first as a node lists them."""
+    return sorted((item for items in lists for item in items), key=started_key)
+
+
+def merge_snapshots(lists: Iterable[Sequence[Item]], *, limit: int) -> list[Item]:
+    """``GET /snapshots``: newest first, at most ``limit``, each snapshot once (a shared one may be listed by
+    several nodes)."""
+    seen: set[str] = set()
+    out: list[Item] = []
+    for item in sorted((i for items in lists for i in items),
+                       key=lambda i: (_parse_time(str(i["createdAt"])), str(i["snapshotID"])), reverse=True):
+        if item["snapshotID"] not in seen:
+            seen.add(item["snapshotID"])
+            out.append(item)
+    return out[:limit]
+
+
+def merge_templates(lists: Iterable[Sequence[Item]]) -> list[Item]:
+    """``GET /templates``: each template once (the first node's record of it), oldest first, then by id."""
+    seen: dict[str, Item] = {}
+    for items in lists:
+        for item in items:
+            seen.setdefault(str(item["templateID"]), item)
+    return sorted(seen.values(), key=lambda i: (_parse_time(str(i["createdAt"])), str(i["templateID"])))
+
+
+def page_templates(merged: Sequence[Item], *, limit: int, after: Optional[str]) -> list[Item]:
+    """``GET /v2/templates``: the page of the merged list after the template id ``after`` (nothing when that id
+    is not listed, as a node answers)."""
+    start = 0
+    if after:
+        start = next((i + 1 for i, t in enumerate(merged) if t["templateID"] == after), len(merged))
+    return list(merged[start:start + limit])
