@@ -95,7 +95,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for node_id in ("n1", "n2"):
             nodes[node_id] = _start_cluster_node(tmp, node_id, sched.url)
         gateways = [start_gateway(tmp / f"gw{i}", sched.url, KEY) for i in (1, 2)]
-        yield Cluster(tmp, redis, sched, gateways, nodes)
+        cluster = Cluster(tmp, redis, sched, gateways, nodes)
+        yield cluster
+        sched = cluster.scheduler  # a test may have restarted it
     finally:
         for gw in gateways:
             gw.stop()
