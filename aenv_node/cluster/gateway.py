@@ -217,14 +217,14 @@ class Gateway:
         if bound is None:
             raise Answer(404, f"sandbox {sandbox_id} not found")
         method = scope["method"]
-        home_ok = bound.node is not None and not bound.node.status.draining
         if method == "POST" and rest in ("/resume", "/connect"):
             # its node is gone or drains (or does not answer): a paused (published) sandbox resumes on another
             # node, which imports it from the shared repository and claims it there
             body = await read_body(receive)
-            if home_ok and bound.node is not None:
+            home = bound.node if bound.node is not None and not bound.node.status.draining else None
+            if home is not None:
                 try:
-                    await Reply.of(await self._call(bound.node, scope, body=body)).send(send)
+                    await Reply.of(await self._call(home, scope, body=body)).send(send)
                     return
                 except httpx.ConnectError as exc:
                     log.warning("node %s of sandbox %s did not answer: %s", bound.binding.node_id, sandbox_id,

@@ -8,7 +8,7 @@ gateway sees every sandbox exactly once, in the order one node would give:
   sends the client's token to every node, merges their pages in that order and cuts at ``limit``. The cut is
   exact: a node that answered a full page has nothing before its last item that it did not send, and the merged
   page ends no later than any full page's last item, so nothing is skipped; the next token is the last item's
-  place, which every node understands.
+  place, written by the node's own ``encode_token``, so every node understands it.
 - ``GET /sandboxes`` (v1, unpaged): all of them, in start order.
 - ``GET /snapshots``: newest first, cut at ``limit``.
 - ``GET /templates`` and ``/v2/templates``: a template every node holds (``base``, and templates shared through
@@ -21,6 +21,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
+
+from ..api.handlers.sandboxes import encode_token
 
 __all__ = [
     "SandboxPage",
@@ -67,8 +69,8 @@ def merge_sandbox_pages(pages: Iterable[SandboxPage], *, limit: int, descending:
     more = len(merged) > limit or any(page.more for page in pages)
     if not more or not out:
         return out, None
-    micros, sandbox_id = started_key(out[-1])
-    return out, f"{micros}.{sandbox_id}"
+    last = out[-1]
+    return out, encode_token(_parse_time(str(last["startedAt"])), str(last["sandboxID"]))
 
 
 def merge_running(lists: Iterable[Sequence[Item]]) -> list[Item]:
