@@ -12,7 +12,9 @@ This module is the cache's face and policy: :class:`LayerCache` (opening and rel
 files, LRU eviction between watermarks, batched syncs and counters), :class:`CachedSource`, the janitor task.
 Its parts: :mod:`.cache_layer` (one layer's sparse file and presence bitmap, and the order of their writes that
 makes the cache crash-safe), :mod:`.cache_read` (the concurrent read path: single-flight ranged fetches,
-readahead, lock-free ``pread`` of cached chunks), :mod:`.cache_stats` (the counters it reports).
+readahead, lock-free ``pread`` of cached chunks), :mod:`.cache_stats` (the counters it reports),
+:mod:`.cache_peers` (P2P, off unless ``peers`` is given: missing ranges from other nodes' caches, checked by
+checksum, and the bounds of serving ours to them).
 
 Counters (hits, misses, fetches, bytes fetched/evicted, last access) live in memory and are written to SQLite
 (``cache_entries``) through ``CacheStore`` in one batched transaction at each sync, never per read.
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .cache_peers import PeerOptions
 from .cache_layer import (
     ABSENT,
     BUSY,
@@ -90,6 +93,7 @@ class LayerCache(ChunkReader):
         readahead_bytes: int = 1024 * 1024,
         flush_interval_s: float = 5.0,
         durable: bool = True,
+        peers: PeerOptions | None = None,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"need 0 < low_watermark <= high_watermark <= 1, got {low_watermark}, {high_watermark}")
@@ -101,7 +105,8 @@ class LayerCache(ChunkReader):
         self.dir.mkdir(parents=True, exist_ok=True)
         check_punch_hole(self.dir)
         super().__init__(
-            repository, chunk_size=chunk_size, max_fetch_bytes=max_fetch_bytes, readahead_bytes=readahead_bytes
+            repository, chunk_size=chunk_size, max_fetch_bytes=max_fetch_bytes, readahead_bytes=readahead_bytes,
+            peers=peers,
         )
         self.capacity_bytes = capacity_bytes
         self.high_bytes = int(capacity_bytes * high_watermark)
@@ -138,6 +143,24 @@ class LayerCache(ChunkReader):
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self._flush(blocking=False)
         return out
+
+    def serve_range(self, digest: str, offset: int, length: int) -> bytes:
+        """A range of a layer for a peer, only if every chunk of it is cached here now (never fetched):
+        ``PeerServeRefused`` (404 not cached or P2P off, 400 a bad range) or ``PeerServeBusy`` (503) if not."""
+        check_digest(digest)
+        if self._closed:
+            raise CacheError(f"read of {digest} from a closed cache")
+        with self._lock:
+            layer = self._layers.get(digest)
+        return self.read_present_range(layer, offset, length)
+
+    def cached_layers(self, limit: int) -> list[str]:
+        """Up to ``limit`` digests of layers with cached bytes, most recently used first (what the node
+        announces to the holder index for P2P)."""
+        with self._lock:
+            held = [x for x in self._layers.values() if x.cached_bytes > 0]
+        held.sort(key=lambda x: x.last_access_at, reverse=True)
+        return [x.digest for x in held[:limit]]
 
     def adopt(self, digest: str, path: str | os.PathLike[str], *, verify: bool = True, move: bool = False) -> None:
         """Put a local layer file (e.g. a freshly sealed layer) into the cache without fetching it.
@@ -236,6 +259,7 @@ class LayerCache(ChunkReader):
                 capacity_bytes=self.capacity_bytes,
                 cached_bytes=self._cached_bytes,
                 write_errors=self._write_errors,
+                peers=None if self.peers is None else self.peers.snapshot(),
             )
 
     def layer_stats(self, digest: str) -> LayerCacheStats | None:

@@ -15,6 +15,11 @@ Contiguous missing chunks of one read are fetched with one ranged GET (up to ``m
 starts where the previous read of the layer ended and misses also fetches up to ``readahead_bytes`` of the
 following absent chunks in that request (sequential scans of a remote layer pay one round trip per
 read + readahead, not per read).
+
+With P2P (``peers``, :mod:`.cache_peers`) a missing run is first asked of a peer that caches the layer, in
+pieces of at most ``p2p.max_range_bytes``, each checked against the layer's checksum record; a piece no peer
+gives comes from the repository.  Either way the bytes land in the cache file the same way, so a node that got
+a range from a peer serves it in turn (``read_present_range``: PRESENT chunks only, never a fetch).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from .cache_layer import (
     chunk_runs,
     pread_all,
 )
+from .cache_peers import PeerOptions, PeerReader, PeerServeRefused
 from .errors import CacheError
 from .fileops import pwrite_all
 from .repository.base import Repository
@@ -50,8 +56,11 @@ class ChunkReader:
     metadata lock, the LRU of PRESENT chunks and the count of cached bytes.
     """
 
-    def __init__(self, repository: Repository, *, chunk_size: int, max_fetch_bytes: int, readahead_bytes: int) -> None:
+    def __init__(self, repository: Repository, *, chunk_size: int, max_fetch_bytes: int, readahead_bytes: int,
+                 peers: PeerOptions | None = None) -> None:
         self.repository = repository
+        #: P2P: the peer side of fetches and serves (None: P2P off, every missing range from the repository)
+        self.peers = None if peers is None else PeerReader(peers, repository, chunk_size)
         self.chunk_size = chunk_size
         self.max_fetch_chunks = max(1, max_fetch_bytes // chunk_size)
         self.readahead_chunks = max(0, readahead_bytes // chunk_size)
@@ -144,18 +153,11 @@ class ChunkReader:
             for run in chunk_runs(claimed, self.max_fetch_chunks):
                 off = run[0] * cs
                 n = min((run[-1] + 1) * cs, layer.size) - off
-                data = self.repository.read_range(layer.digest, off, n)
-                if len(data) != n:
-                    raise CacheError(
-                        f"repository returned {len(data)} bytes for {layer.digest} [{off}, {off + n}), expected {n}"
-                    )
+                data = self._fetch_bytes(layer, off, n)
                 view = memoryview(data)
                 for c in run:
                     if c * cs < end:  # (chunks after the range are readahead)
                         got[c] = view[max(offset, c * cs) - off : min(end, (c + 1) * cs) - off]
-                with self._lock:
-                    layer.fetches += 1
-                    layer.fetched_bytes += n
                 try:
                     pwrite_all(layer.data_fd, data, off)
                 except OSError as e:  # e.g. the cache disk is full: serve the bytes, do not cache them
@@ -169,6 +171,62 @@ class ChunkReader:
         except BaseException as e:
             self._release(layer, sorted(pending), e)
             raise
+
+    def _fetch_bytes(self, layer: CachedLayer, off: int, n: int) -> bytes:
+        """The layer's bytes ``[off, off+n)``: from peers where they give them (checked), else the repository;
+        counted (``fetches``/``fetched_bytes`` are the repository's, the peer counters the peers')."""
+        if self.peers is None:
+            return self._fetch_repository(layer, off, n)
+        step = max(self.chunk_size, self.peers.options.max_range_bytes // self.chunk_size * self.chunk_size)
+        pieces: list[bytes] = []
+        for pos in range(off, off + n, step):
+            k = min(step, off + n - pos)
+            got = self.peers.fetch(layer.digest, layer.size, pos, k)
+            pieces.append(got if got is not None else self._fetch_repository(layer, pos, k))
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def _fetch_repository(self, layer: CachedLayer, off: int, n: int) -> bytes:
+        data = self.repository.read_range(layer.digest, off, n)
+        if len(data) != n:
+            raise CacheError(
+                f"repository returned {len(data)} bytes for {layer.digest} [{off}, {off + n}), expected {n}"
+            )
+        with self._lock:
+            layer.fetches += 1
+            layer.fetched_bytes += n
+        return data
+
+    def read_present_range(self, layer: CachedLayer | None, offset: int, length: int) -> bytes:
+        """Serve a peer: ``[offset, offset+length)`` of the layer if every chunk of it is PRESENT now, read
+        without fetching anything (``PeerServeRefused`` 404 otherwise; 400 past the layer's end).  Counts
+        neither a hit nor a miss (the peer counters count it); the chunks become most recently used."""
+        peers = self.peers
+        if peers is None:
+            raise PeerServeRefused(404, "this node does not serve layer ranges to peers (p2p.enabled = false)")
+        peers.admit(length)
+        served: int | None = None
+        try:
+            if layer is None:
+                raise PeerServeRefused(404, "the layer is not cached on this node")
+            if offset < 0 or length <= 0 or offset + length > layer.size:
+                raise PeerServeRefused(400, f"range [{offset}, {offset + length}) is not inside the layer's "
+                                       f"{layer.size} bytes")
+            cs = self.chunk_size
+            chunks = range(offset // cs, (offset + length - 1) // cs + 1)
+            with self._lock:
+                if not all(layer.state[c] == PRESENT for c in chunks):
+                    raise PeerServeRefused(404, "the range is not cached on this node")
+                gens = [layer.gen[c] for c in chunks]
+                for c in chunks:
+                    self._lru.move_to_end((layer, c))
+            data = pread_all(layer.data_fd, length, offset)
+            with self._lock:
+                if [layer.gen[c] for c in chunks] != gens:  # evicted while it was read
+                    raise PeerServeRefused(404, "the range was evicted from this node's cache")
+            served = len(data)
+            return data
+        finally:
+            peers.release(served)
 
     def _publish(self, layer: CachedLayer, chunks: Iterable[int], adopted: bool = False) -> None:
         """Make BUSY chunks whose bytes are in the cache file PRESENT (unsynced until the next sync)."""

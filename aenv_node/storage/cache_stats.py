@@ -3,15 +3,17 @@
 Why apart from the cache: these are the cache's public report (its janitor, the benchmarks and the tests read
 them), a snapshot taken under the cache's lock and then handed out, so a caller never sees the cache's live,
 lock-guarded state.  The counters themselves live on each :class:`~.cache_layer.CachedLayer`; the
-SQLite copy of them is :mod:`.cache_store`'s.
+SQLite copy of them is :mod:`.cache_store`'s.  The P2P counters (ranges got from and served to peers,
+:mod:`.cache_peers`) are the cache's totals, not per layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cache_layer import CachedLayer
+from .cache_peers import PeerCounters
 
 __all__ = ["CacheStats", "LayerCacheStats", "layer_stats", "total_stats"]
 
@@ -32,7 +34,8 @@ class LayerCacheStats:
 
 @dataclass
 class CacheStats:
-    """Totals over all layers (``hits``/``misses`` count chunks; ``fetches`` count repository reads)."""
+    """Totals over all layers (``hits``/``misses`` count chunks; ``fetches`` and ``fetched_bytes`` count
+    repository reads; ``peer_*`` ranges got from peers, ``served_*`` ranges served to them)."""
 
     entries: int
     capacity_bytes: int
@@ -44,6 +47,17 @@ class CacheStats:
     evicted_bytes: int
     adopted_bytes: int
     write_errors: int
+    #: P2P on for this cache
+    p2p: bool = False
+    peer_fetches: int = 0
+    peer_bytes: int = 0
+    #: reason (``cache_peers.FAILURE_REASONS``) -> peer reads that failed so
+    peer_failures: dict[str, int] = field(default_factory=dict)
+    peer_fallbacks: int = 0
+    served_ranges: int = 0
+    served_bytes: int = 0
+    served_absent: int = 0
+    served_busy: int = 0
 
 
 def layer_stats(x: CachedLayer) -> LayerCacheStats:
@@ -63,9 +77,12 @@ def layer_stats(x: CachedLayer) -> LayerCacheStats:
 
 
 def total_stats(
-    ls: Sequence[CachedLayer], *, capacity_bytes: int, cached_bytes: int, write_errors: int
+    ls: Sequence[CachedLayer], *, capacity_bytes: int, cached_bytes: int, write_errors: int,
+    peers: PeerCounters | None = None,
 ) -> CacheStats:
-    """The totals over ``ls``, every layer of the cache (the caller holds the cache's lock)."""
+    """The totals over ``ls``, every layer of the cache (the caller holds the cache's lock), and the P2P
+    counters ``peers`` (None: P2P is off)."""
+    p = peers or PeerCounters()
     return CacheStats(
         entries=len(ls),
         capacity_bytes=capacity_bytes,
@@ -77,4 +94,13 @@ def total_stats(
         evicted_bytes=sum(x.evicted_bytes for x in ls),
         adopted_bytes=sum(x.adopted_bytes for x in ls),
         write_errors=write_errors,
+        p2p=peers is not None,
+        peer_fetches=p.peer_fetches,
+        peer_bytes=p.peer_bytes,
+        peer_failures=dict(p.peer_failures),
+        peer_fallbacks=p.peer_fallbacks,
+        served_ranges=p.served_ranges,
+        served_bytes=p.served_bytes,
+        served_absent=p.served_absent,
+        served_busy=p.served_busy,
     )

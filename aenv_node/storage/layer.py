@@ -139,9 +139,16 @@ class LayerWriter:
         self._csum = F.data_checksum(self._flags)
         self.tmp_path = os.path.join(self.dest_dir, f".tmp-{secrets.token_hex(8)}{LAYER_SUFFIX}")
         self._fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._done = False
         self._hash = hashlib.sha256()
         header = F.pack_header(F.Geometry(self._flags, virtual_size, F.BLOCK, self._group))
-        self._write(header)
+        try:
+            self._write(header)
+        except BaseException:
+            # the constructor raised, so no ``with`` block will abort it: the temporary goes here (a full disk
+            # made this leak a ``.tmp-*.layer`` when the header was the write that found no room)
+            self.abort()
+            raise
         self._ext: list[list[int]] = []  # [voff, length, doff, flags]
         self._end = 0  # virtual end of the last extent
         self._stream = 0  # logical data stream length

@@ -179,3 +179,31 @@ def test_corrupt_data_block_named(tmp_path: Path) -> None:
             r.read(e.offset, BLOCK)
         assert ei.value.what == "data block" and ei.value.where == pos - 10
         assert "L" in str(ei.value)
+
+
+def test_a_writer_that_finds_no_room_for_its_header_leaves_no_temporary(tmp_path: Path) -> None:
+    """On a full filesystem (a real tmpfs of 64 KiB, filled) the constructor's header write fails with ENOSPC:
+    no ``.tmp-*`` file may stay (no ``with`` block ever runs to abort it)."""
+    import errno
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
+    try:
+        # close-on-exec: a process another thread forks meanwhile must not hold the tmpfs busy
+        fd = os.open(mnt / "ballast", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC)
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(fd, b"x" * 4096)
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as err:
+            LayerWriter(mnt, 1 << 20)
+        assert err.value.errno == errno.ENOSPC
+        assert sorted(p.name for p in mnt.iterdir()) == ["ballast"]
+    finally:  # a busy tmpfs (a child of another test's process holding a file) is detached all the same
+        if subprocess.run(["umount", str(mnt)], check=False).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+        assert str(mnt) not in Path("/proc/self/mounts").read_text()

@@ -9,7 +9,6 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -59,20 +58,6 @@ def write_layer(tmp: Path, data: bytes, name: str | None = None) -> tuple[str, P
 
 def pattern(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-@pytest.fixture(params=["posix_fs", "s3"])
-def repo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Repository]:
-    if request.param == "posix_fs":
-        r: Repository = PosixFsRepository(tmp_path / "repo")
-        yield r
-        r.close()
-    else:
-        endpoint = request.getfixturevalue("moto_endpoint")
-        # Small multipart settings so multipart uploads happen with test-sized layers (5 MiB is S3's minimum).
-        r = make_s3_repository(endpoint, multipart_threshold=6 * MiB, part_size=5 * MiB, upload_concurrency=2)
-        yield r
-        delete_bucket(r)
 
 
 def no_leftovers(repo: Repository) -> None:

@@ -19,7 +19,9 @@ def test_import_ext4_prints_digest_stores_layer_and_row(cli: Cli, ext4_image: Pa
 
     stored = cli.repository / layer_key(digest)
     assert sha256_file(stored) == digest  # content-addressed: the digest is the sha256 of the stored file
-    assert cli.repo_files() == [stored]  # no temp file left behind
+    # the layer and its per-chunk checksum record (what P2P checks peers' ranges against); no temp file left
+    record = stored.with_name(stored.name + ".chunks")
+    assert cli.repo_files() == [stored, record]
     assert not any((cli.state_dir / "tmp").iterdir())  # staging removed
 
     # the same layer the library's importer writes (the CLI's progress loop must not change a byte)
@@ -35,7 +37,7 @@ def test_import_ext4_prints_digest_stores_layer_and_row(cli: Cli, ext4_image: Pa
 
     # importing again is a no-op with the same answer (content-addressed), still one row
     assert cli.import_layer(ext4_image) == digest
-    assert len(cli.layer_rows()) == 1 and cli.repo_files() == [stored]
+    assert len(cli.layer_rows()) == 1 and cli.repo_files() == [stored, record]
 
 
 def test_import_sparse_unaligned_file_with_virtual_size(cli: Cli, tmp_path: Path) -> None:

@@ -35,7 +35,6 @@ import abc
 import enum
 import hashlib
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Optional, TypeVar, Union
@@ -45,12 +44,12 @@ from .errors import (
     DigestMismatch,
     ManifestCorrupt,
     IncompleteSnapshot,
-    InvalidName,
     OwnershipChanged,
     OwnershipConflict,
     OwnershipUnsupported,
 )
-from .manifest import LayerManifest, check_digest, decode_manifest, encode_manifest
+from .chunksums import ChunkSums
+from .manifest import _MANIFEST_ID_RE, LayerManifest, check_digest, check_manifest_id, decode_manifest, encode_manifest
 from .ownership import (
     OWNER_DELETING,
     OWNER_PAUSED,
@@ -86,18 +85,11 @@ __all__ = [
 
 M = TypeVar("M", bound=LayerManifest)
 
-_MANIFEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 #: How much of a source file is read at a time while hashing/copying it.
 READ_CHUNK = 1 << 20
 
 
-def check_manifest_id(manifest_id: str) -> str:
-    if not isinstance(manifest_id, str) or _MANIFEST_ID_RE.match(manifest_id) is None:
-        raise InvalidName(
-            f"not a manifest id (1-128 chars of A-Z a-z 0-9 . _ -, not starting with . _ -): {manifest_id!r}"
-        )
-    return manifest_id
 
 
 def layer_key(digest: str) -> str:
@@ -209,6 +201,17 @@ class Repository(abc.ABC):
         posix_fs repository is on local disk may read layers through ``FileSource`` and skip the cache."""
         return None
 
+    # -- per-chunk checksum records (chunksums.py: what a node checks a range from a peer against) -------------
+    def get_chunksums(self, digest: str) -> Optional[ChunkSums]:
+        """The layer's per-chunk checksum record, or None if it has none (put before records existed, or a
+        backend that keeps none); ``ValueError`` if the stored record is not one this code reads."""
+        data = self._get_chunksums_bytes(digest)
+        return None if data is None else ChunkSums.decode(data)
+
+    def _get_chunksums_bytes(self, digest: str) -> Optional[bytes]:
+        """The stored record's bytes, None if absent (a backend without records: always None)."""
+        return None
+
     def read_layer(self, digest: str) -> bytes:
         """A whole (small) layer; tests and tools.  Large layers are read by range through the cache."""
         return self.read_range(digest, 0, self.layer_size(digest))
@@ -254,18 +257,39 @@ class Repository(abc.ABC):
         got = self._get_versioned(record_id)
         return None if got is None else Ownership.parse(sandbox_id, *got)
 
-    def claim_sandbox(self, sandbox_id: str, owner: str, *, expect: Expect = _READ) -> Ownership:
+    def claim_sandbox(self, sandbox_id: str, owner: str, *, expect: Expect = _READ,
+                      take_over_from: Optional[str] = None) -> Ownership:
         """Claim a sandbox to run it: (absent | ``paused`` | held by ``owner``) -> ``running``, owned by ``owner``.
 
-        ``OwnershipConflict`` if another node holds it.  With ``expect`` (a record the caller read and decided
-        on, or None for "absent"), the swap is against exactly that version and ``OwnershipChanged`` is raised
-        if it moved on; without it the record is read here and the swap retried on a lost race.
+        ``OwnershipConflict`` if another node holds it, unless it is ``take_over_from`` running it: the caller
+        has learnt that node is dead (the cluster's scheduler missed its heartbeats) and resumes the sandbox from
+        the last snapshot it published.  With ``expect`` (a record the caller read and decided on, or None for
+        "absent"), the swap is against exactly that version and ``OwnershipChanged`` is raised if it moved on;
+        without it the record is read here and the swap retried on a lost race.
         """
         def attempt(cur: Optional[Ownership]) -> Ownership:
-            if cur is not None and cur.held_by_other(owner):
+            taken = (cur is not None and take_over_from is not None and cur.owner == take_over_from
+                     and cur.state == OWNER_RUNNING)
+            if cur is not None and cur.held_by_other(owner) and not taken:
                 raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "resume")
             return self._swap(cur, sandbox_id, owner=owner, state=OWNER_RUNNING,
                               snapshot_id=cur.snapshot_id if cur is not None else None)
+
+        return self._cas(sandbox_id, expect, attempt)
+
+    def checkpoint_sandbox(self, sandbox_id: str, owner: str, snapshot_id: str, *,
+                           expect: Expect = _READ) -> Ownership:
+        """Publish a running sandbox's periodic snapshot: (absent | owned by ``owner``) -> ``running`` at
+        ``snapshot_id``, owner ``owner``: what another node resumes it from if this node dies.
+
+        ``OwnershipConflict`` if another node owns the record (it took the sandbox over: this node's copy must
+        stop).  ``expect`` as in ``claim_sandbox``.
+        """
+        def attempt(cur: Optional[Ownership]) -> Ownership:
+            if cur is not None and cur.owner not in ("", owner):
+                raise OwnershipConflict(sandbox_id, cur.owner, cur.state, "checkpoint")
+            return self._swap(cur, sandbox_id, owner=owner, state=OWNER_RUNNING, snapshot_id=snapshot_id,
+                              publish=True)
 
         return self._cas(sandbox_id, expect, attempt)
 

@@ -4,8 +4,9 @@ Every pause publishes a snapshot manifest (and the layers it names that are not 
 sandbox's ``sandbox-<id>`` record to it; a kill deletes the record.  Nothing else ever removes a manifest or a
 layer, so without this a sandbox paused 1000 times leaves 1000 manifests and every layer it ever had.
 
-**Mark.**  The roots are the ``sandbox-<id>`` records, in any state (``paused``, ``running``, ``deleting``):
-each names its newest snapshot manifest (ownership.py), which names its ``disk_layers`` and ``memory_layers``
+**Mark.**  The roots are the ``sandbox-<id>`` records, in any state (``paused``, ``running``, ``deleting``),
+and the shared templates' ``template-<id>`` records (template_record.py, never swept here): each names a
+snapshot manifest (ownership.py), which names its ``disk_layers`` and ``memory_layers``
 (``LayerManifest``, manifest.py: the only part of a snapshot manifest read here).  Every
 manifest that is kept (reachable, or too young to judge, see below) has its layers kept too, so nothing kept
 ever names a removed layer.  Records are never removed here; neither are half-written uploads
@@ -58,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from .errors import ManifestNotFound, RepositoryError
 from .manifest import LayerManifest
 from .ownership import RECORD_PREFIX
+from .template_record import TEMPLATE_PREFIX, get_template, is_template_record
 
 if TYPE_CHECKING:
     from .base import Repository
@@ -131,7 +133,18 @@ def collect_garbage(repo: "Repository", grace_s: float, *, dry_run: bool = False
         if rec.snapshot_id:
             reachable.add(rec.snapshot_id)
 
-    snapshots = [m for m in manifests if not m.startswith(RECORD_PREFIX)]
+    # shared templates (template_record.py) are roots too; their records are never swept here
+    for rid in [m for m in manifests if m.startswith(TEMPLATE_PREFIX)]:
+        try:
+            template = get_template(repo, rid.removeprefix(TEMPLATE_PREFIX))
+        except (ValueError, RepositoryError) as exc:
+            log.warning("repository gc: cannot read record %s (%s); keeping every manifest this round", rid, exc)
+            report.unreadable_manifests.append(rid)
+            continue
+        if template is not None:
+            reachable.add(template.snapshot_id)
+
+    snapshots = [m for m in manifests if not m.startswith(RECORD_PREFIX) and not is_template_record(m)]
     keep_all_manifests = bool(report.unreadable_manifests)
     kept = [m for m in snapshots if keep_all_manifests or m in reachable or manifests[m].mtime >= cutoff]
     report.missing_manifests = sorted(reachable - set(manifests))

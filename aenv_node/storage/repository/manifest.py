@@ -27,9 +27,22 @@ __all__ = [
     "DiskLayerRef",
     "LayerManifest",
     "check_digest",
+    "check_manifest_id",
     "decode_manifest",
     "encode_manifest",
 ]
+
+#: what a manifest id may be (also the name of its file or key)
+_MANIFEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_manifest_id(manifest_id: str) -> str:
+    if not isinstance(manifest_id, str) or _MANIFEST_ID_RE.match(manifest_id) is None:
+        raise InvalidName(
+            f"not a manifest id (1-128 chars of A-Z a-z 0-9 . _ -, not starting with . _ -): {manifest_id!r}"
+        )
+    return manifest_id
+
 
 #: A layer's name: ``sha256:`` + the 64 lowercase hex digits of the SHA-256 of its bytes.
 DIGEST_PATTERN = r"^sha256:([0-9a-f]{64})$"

@@ -4,6 +4,7 @@ CephFS or Lustre mounted on every node).
 Layout (the same keys as every backend)::
 
     <root>/layers/sha256/ab/<hex>      one immutable file per layer
+    <root>/layers/sha256/ab/<hex>.chunks  its per-chunk checksum record (chunksums.py), written before it
     <root>/manifests/<id>.json         one small JSON document per snapshot
 
 Atomic commits use the classic sequence: write to a temporary name *in the same directory* (``.tmp-...``, never
@@ -55,6 +56,7 @@ from .base import (
     manifest_key,
     verify_digest,
 )
+from .chunksums import ChunkHasher, chunksums_key
 from .errors import (
     LayerNotFound,
     ManifestNotFound,
@@ -159,14 +161,20 @@ class PosixFsRepository(Repository):
         except OSError as e:
             raise RepositoryError(f"cannot store layer {digest} from {os.fspath(path)} in {self.root}: {e}") from e
         h = hashlib.sha256()
+        chunks = ChunkHasher()
 
         def hashed() -> Iterator[bytes]:
             for b in iter_file(path, READ_CHUNK):
                 h.update(b)
+                chunks.update(b)
                 yield b
 
+        def check() -> None:  # the bytes are the layer: its checksum record goes in before the layer does
+            verify_digest(digest, h, os.fspath(path))
+            self._put_chunksums(chunks, digest)
+
         try:
-            self._write_atomic(final, hashed(), hexd[:16], check=lambda: verify_digest(digest, h, os.fspath(path)))
+            self._write_atomic(final, hashed(), hexd[:16], check=check)
         except OSError as e:
             raise RepositoryError(f"cannot store layer {digest} from {os.fspath(path)} in {self.root}: {e}") from e
         return key
@@ -185,6 +193,12 @@ class PosixFsRepository(Repository):
             if self.durable:
                 fsync_dir(directory.parent)
         tmp = self._tmp_name(directory, hexd[:16])
+        # its age starts now, before its temporary name exists: the link shares the source's inode, so its mtime,
+        # and a sweep of incomplete uploads (sweep_incomplete) running meanwhile took an old-looking temporary
+        # name for a cut upload and removed it under a publish of a large layer. Touched after the link, a
+        # sweep could still take it in between (CI saw that ENOENT), so the source is touched first.
+        with contextlib.suppress(OSError):  # (a source we may not touch: the link below fails the same way)
+            os.utime(path, None)
         try:
             os.link(path, tmp)
         except OSError as e:
@@ -192,11 +206,8 @@ class PosixFsRepository(Repository):
                 return False
             raise
         try:
-            # its age starts now, before the hash reads it: the link has the source's mtime, and a sweep of
-            # incomplete uploads (sweep_incomplete) running meanwhile took an old-looking temporary name for a
-            # cut upload and removed it under a publish of a large layer
-            os.utime(tmp, None)
             h = hashlib.sha256()
+            chunks = ChunkHasher()
             fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 size = os.fstat(fd).st_size
@@ -209,12 +220,14 @@ class PosixFsRepository(Repository):
                     if not b:
                         break
                     h.update(b)
+                    chunks.update(b)
                     got += len(b)
                 if got != size:
                     raise RepositoryError(f"layer {digest}: read {got} bytes of {size} from {os.fspath(path)}")
                 verify_digest(digest, h, os.fspath(path))
                 if self.durable:
                     os.fsync(fd)
+                self._put_chunksums(chunks, digest)
             finally:
                 os.close(fd)
             os.utime(tmp, None)  # its age in the repository starts when it is in place (gc.py)
@@ -226,6 +239,17 @@ class PosixFsRepository(Repository):
             tmp.unlink(missing_ok=True)
             raise
         return True
+
+    def _put_chunksums(self, chunks: ChunkHasher, digest: str) -> None:
+        """Store the layer's checksum record (atomically, like every object here) before the layer itself."""
+        hexd = check_digest(digest)
+        self._write_atomic(self.root / chunksums_key(digest), [chunks.record(digest).encode()], hexd[:16] + "-c")
+
+    def _get_chunksums_bytes(self, digest: str) -> Optional[bytes]:
+        try:
+            return (self.root / chunksums_key(digest)).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def touch_layer(self, digest: str) -> bool:
         try:
@@ -329,6 +353,7 @@ class PosixFsRepository(Repository):
 
     def delete_layer(self, digest: str) -> None:
         self._unlink(self._layer_path(digest))
+        self._unlink(self.root / chunksums_key(digest))
 
     def list_layers(self) -> list[str]:
         out = []

@@ -1,6 +1,7 @@
 """``s3``: a repository in an S3-compatible object store (AWS S3, MinIO, Ceph RGW, ...), through boto3.
 
-Keys are ``<prefix>layers/sha256/ab/<hex>`` and ``<prefix>manifests/<id>.json`` (the same layout as posix_fs),
+Keys are ``<prefix>layers/sha256/ab/<hex>`` (and ``<hex>.chunks``, its per-chunk checksum record, chunksums.py,
+PUT before the layer is) and ``<prefix>manifests/<id>.json`` (the same layout as posix_fs),
 plus ``<prefix>reuse/sha256/<hex>/<unique>``: empty marks recording that a publish reused a layer, which
 garbage collection (gc.py) reads as the layer's age and removes once old (see ``touch_layer``).
 
@@ -55,6 +56,7 @@ from .base import (
     manifest_key,
     verify_digest,
 )
+from .chunksums import ChunkHasher, chunksums_key
 from .errors import (
     LayerNotFound,
     ManifestNotFound,
@@ -208,11 +210,13 @@ class S3Repository(Repository):
         if self.touch_layer(digest):
             return layer_key(digest)
         h = hashlib.sha256()
+        sums = ChunkHasher()
         chunks = iter_file(path, READ_CHUNK)
         head = bytearray()
         exhausted = True
         for b in chunks:
             h.update(b)
+            sums.update(b)
             head += b
             if len(head) > self.multipart_threshold:
                 exhausted = False
@@ -220,13 +224,30 @@ class S3Repository(Repository):
         source = os.fspath(path)
         if exhausted:
             verify_digest(digest, h, source)
+            self._put_chunksums(sums, digest)
             self._call("put layer", self.client.put_object, Key=key, Body=bytes(head))
         else:
-            self._multipart(key, digest, source, head, chunks, h)
+            self._multipart(key, digest, source, head, chunks, h, sums)
         return layer_key(digest)
 
+    def _put_chunksums(self, sums: ChunkHasher, digest: str) -> None:
+        """PUT the layer's checksum record (one PUT: visible whole or not at all) before the layer itself."""
+        self._call("put checksum record", self.client.put_object, Key=self.prefix + chunksums_key(digest),
+                   Body=sums.record(digest).encode())
+
+    def _get_chunksums_bytes(self, digest: str) -> Optional[bytes]:
+        key = self.prefix + chunksums_key(digest)
+        try:
+            r = self._call("read checksum record", self.client.get_object, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if self._is_not_found(e):
+                return None
+            raise
+        with r["Body"] as body:
+            return body.read()
+
     def _multipart(self, key: str, digest: str, source: str, head: bytearray, rest: Iterator[bytes],
-                   h: hashlib._Hash) -> None:
+                   h: hashlib._Hash, sums: ChunkHasher) -> None:
         upload_id = self._call("start multipart upload", self.client.create_multipart_upload, Key=key)["UploadId"]
         try:
             parts: dict[int, str] = {}
@@ -241,6 +262,7 @@ class S3Repository(Repository):
                 buf = head
                 for b in rest:
                     h.update(b)
+                    sums.update(b)
                     buf += b
                     while len(buf) >= self.part_size:
                         yield bytes(buf[: self.part_size])
@@ -266,6 +288,7 @@ class S3Repository(Repository):
                     for f in pending:
                         f.cancel()
             verify_digest(digest, h, source)
+            self._put_chunksums(sums, digest)
             self._call(
                 "complete multipart upload",
                 self.client.complete_multipart_upload,
@@ -319,6 +342,7 @@ class S3Repository(Repository):
 
     def delete_layer(self, digest: str) -> None:
         self._call("delete layer", self.client.delete_object, Key=self._layer_key(digest))
+        self._call("delete checksum record", self.client.delete_object, Key=self.prefix + chunksums_key(digest))
 
     def _list(self, sub: str) -> list[str]:
         return [rel for rel, _ in self._list_objects(sub)]
