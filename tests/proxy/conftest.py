@@ -21,6 +21,7 @@ from hypercorn.trio import serve
 from quart_trio import QuartTrio
 
 from aenv_node.api.proxy import Resolution, SandboxNotRunning, SandboxProxy
+from aenv_node.api.server import serve_api
 from aenv_node.runtime.errors import NodeDraining
 from aenv_node.state.errors import NotFound
 
@@ -51,6 +52,20 @@ async def serve_asgi(app: Any) -> AsyncIterator[int]:
     port = free_port()
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(serve_asgi_on, app, port))
+        try:
+            yield port
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def serve_proxy(proxy: SandboxProxy) -> AsyncIterator[int]:
+    """Serve the proxy as the node does (``serve_api``: the raw relay first, Hypercorn for the rest) on a free
+    loopback port until the block ends."""
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_api, proxy.app, proxy, hypercorn_config(port),
+                                    shutdown_trigger=trio.sleep_forever))
         try:
             yield port
         finally:
@@ -119,5 +134,5 @@ async def proxy_env() -> AsyncIterator[ProxyEnv]:
             "draining": NodeDraining(),
             "broken": RuntimeError("resolver bug"),
         })
-        async with SandboxProxy(node_app(), sandboxes.resolve, DOMAIN) as proxy, serve_asgi(proxy) as port:
+        async with SandboxProxy(node_app(), sandboxes.resolve, DOMAIN) as proxy, serve_proxy(proxy) as port:
             yield ProxyEnv(f"http://127.0.0.1:{port}", up_port, closed_port, upstream.state, sandboxes, proxy)

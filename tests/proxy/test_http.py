@@ -23,7 +23,7 @@ from .conftest import (
     Sandboxes,
     node_app,
     sandbox_headers,
-    serve_asgi,
+    serve_proxy,
     serve_asgi_on,
 )
 from .upstream import big_payload, envelope
@@ -354,7 +354,7 @@ async def test_upstream_connection_reuse_follows_keepalive(proxy_env: ProxyEnv, 
     """Default: one upstream connection per request (slots get reused); keepalive=True pools them."""
     sandboxes = Sandboxes({"abc": proxy_env.sandboxes.table["abc"]})
     async with SandboxProxy(node_app(), sandboxes.resolve, DOMAIN, keepalive=keepalive) as proxy:
-        async with serve_asgi(proxy) as port:
+        async with serve_proxy(proxy) as port:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
                 peer_list = []
                 for _ in range(5):
