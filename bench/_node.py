@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+
+from aenv_node.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_CACHE = "/var/lib/aenv"
@@ -77,6 +80,65 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def profiled(pid: int, raw_out: Path, rate: int = 100) -> Iterator[dict[str, Any]]:
+    """py-spy samples process ``pid`` (all threads, idle ones left out) while the block runs; the collapsed
+    stacks go to ``raw_out``, and the dict yielded is filled on exit with where the samples fell: ``top_self``
+    (the functions the process was in) and ``top_node`` (the node's own functions, by the samples that had each
+    on the stack)."""
+    found: dict[str, Any] = {}
+    spy_bin = Path(sys.executable).with_name("py-spy")  # (the bench extra's; a binary, not a module)
+    with open(raw_out.with_suffix(".log"), "wb") as spy_log:
+        spy = subprocess.Popen([str(spy_bin), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
+                                "--output", str(raw_out), "--nonblocking"], stdout=spy_log, stderr=spy_log)
+    try:
+        yield found
+    finally:
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait()
+    found.update(summarize_stacks(raw_out))
+
+
+_LINE = re.compile(r":\d+\)$")
+
+
+def summarize_stacks(raw: Path, top: int = 15) -> dict[str, Any]:
+    """Where collapsed py-spy stacks (``frame;frame;... count`` lines) spent their samples."""
+    own: dict[str, int] = {}
+    node: dict[str, int] = {}
+    total = 0
+    try:
+        lines = raw.read_text().splitlines()
+    except OSError:
+        return {"samples": 0}
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [_LINE.sub(")", f) for f in stack.split(";")]  # a function, not each of its lines
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            if "aenv_node/" in f:
+                node[f] = node.get(f, 0) + n
+
+    def share(d: dict[str, int]) -> list[tuple[str, float]]:
+        return [(k, round(v / total, 3)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"samples": total, "top_self": share(own), "top_node": share(node)} if total else {"samples": 0}
+
+
 @dataclass
 class BenchNode:
     url: str
@@ -100,6 +162,16 @@ class BenchNode:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds (user + system) the node's control plane and its data plane have used so far; their
+        difference over a phase, divided by its operations, is the node's CPU per operation (the VMMs and the
+        guests are not in it)."""
+        out = {"control_plane": process_cpu_s(self.proc.pid)}
+        run_dir = load_config(environ={}, overrides={"node": {"state_dir": str(self.state_dir)}}).run_dir
+        with contextlib.suppress(OSError, ValueError):
+            out["data_plane"] = process_cpu_s(int((run_dir / "dataplane.pid").read_text()))
+        return out
 
     def sql(self, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         """Read the node's SQLite database (read-only connection; the node keeps writing)."""
@@ -175,15 +247,34 @@ def run_node(
     extra_env: dict[str, str] | None = None,
     keep_state: bool = False,
     stop_hook: list[Any] | None = None,
+    port: int | None = None,
+    api_key: str | None = None,
+    state_dir: Path | None = None,
+    template: str | None = "base",
 ) -> Iterator[BenchNode]:
     """Start a node, wait until it serves and the ``base`` template is ready; stop it and remove its state
     on exit (however the block is left).
 
+    ``state_dir``: start on this existing state directory (a state made beforehand, a restart) instead of a
+    fresh one; it is kept on exit. ``template``: the template to wait for (None: only ``/health``; set
+    ``AENV_TEMPLATES_BUILD_DEFAULT=false`` in ``extra_env`` too, and no VM boots).
+
     ``stop_hook``: if given, a callable that stops the node early is appended to it (the state directory
     stays until the block exits, so its snapshot files can still be read).
+    ``port``: listen there (a cluster node advertises its URL before it starts); a free port by default.
+    ``api_key``: the node's key (a cluster's nodes share one), written to its key file before it starts;
+    by default the node generates its own.
     """
-    state = Path(tempfile.mkdtemp(prefix="aenv-bench-", dir="/var/tmp"))
-    port = free_port()
+    if state_dir is not None:
+        state, keep_state = state_dir, True
+    else:
+        state = Path(tempfile.mkdtemp(prefix="aenv-bench-", dir="/var/tmp"))
+    port = port or free_port()
+    if api_key is not None:
+        (state / "secrets").mkdir(mode=0o700)
+        key_file = state / "secrets" / "api-key"
+        key_file.write_text(api_key + "\n")
+        key_file.chmod(0o600)
     log_path = state / "node.log"
     env = {
         **os.environ,
@@ -218,10 +309,11 @@ def run_node(
                 pass
             if time.monotonic() > deadline:
                 raise NodeStartError(f"node did not answer /health within 60 s:\n{node.log_tail()}")
-            time.sleep(0.2)
+            time.sleep(0.05)
         node.health_s = time.monotonic() - t0
         node.api_key = (state / "secrets" / "api-key").read_text().strip()
-        _wait_template(node, "base", template_timeout_s)
+        if template is not None:
+            _wait_template(node, template, template_timeout_s)
         node.template_ready_s = time.monotonic() - t0
         if stop_hook is not None:
             stop_hook.append(lambda: stop_node(proc))

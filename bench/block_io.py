@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from aenv_node.storage import FlatFileDevice  # noqa: E402
 from aenv_node.storage.frontends import mount_fuse, serve_nbd  # noqa: E402
+from _results import result_path  # noqa: E402
 
 JOBS = {
     "randread-4k-qd1": dict(rw="randread", bs="4k", iodepth=1),
@@ -120,7 +121,7 @@ def nbd_args(uri: str) -> list[str]:
 async def profile_nbd(uri: str, runtime: float, size: int) -> Path:
     """py-spy record this process (all threads) during one NBD randread QD32 run."""
     spy = shutil.which("py-spy") or str(ROOT / ".venv/bin/py-spy")
-    out = ROOT / "bench/results/block_io_nbd_profile.speedscope.json"
+    out = result_path("block_io_nbd_profile", ".speedscope.json")
     proc = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--duration", str(int(runtime)),
                              "--format", "speedscope", "-o", str(out), "--nonblocking", "--threads"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -152,7 +153,7 @@ async def main() -> None:
     ap.add_argument("--device", choices=["flat", "image"], default="flat",
                     help="what the frontends serve: FlatFileDevice on the file, or an Image (base layer + upper)")
     ap.add_argument("--profile", action="store_true", help="py-spy record the NBD randread QD32 job")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/block_io.json"))
+    ap.add_argument("--out", default=str(result_path("block_io")))
     a = ap.parse_args()
     wanted = a.targets.split(",")
     jobs = {k: v for k, v in JOBS.items() if k in a.jobs.split(",")}

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from aenv_node.storage.cache import CHUNK_SIZE, LayerCache  # noqa: E402
 from aenv_node.storage.repository import PosixFsRepository, Repository  # noqa: E402
 from aenv_node.storage.repository.s3 import S3Repository  # noqa: E402
+from _results import result_path  # noqa: E402
 
 MiB = 1024 * 1024
 SEQ = 1 * MiB
@@ -226,8 +227,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     out = {"layer_mib": args.size_mib, "chunk_kib": 256, "seq_read_kib": SEQ // 1024, "rnd_read_b": RND,
            "backends": results, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / "cache_fetch.json").write_text(json.dumps(out, indent=2))
+    result_path("cache_fetch").write_text(json.dumps(out, indent=2))
     summary = "; ".join(
         f"{r['backend']}: cold seq {r['throughput_mib_s']['cold']} MiB/s ({r['ratios']['cold_seq_vs_repo']}x repo),"
         f" warm seq {r['throughput_mib_s']['warm']} MiB/s ({r['ratios']['warm_seq_vs_local']}x local file),"

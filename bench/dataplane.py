@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _node import BenchNode, NodeStartError, run_node, sigterm_as_interrupt  # noqa: E402
 from _stats import ms, utc_now  # noqa: E402
+from _results import result_path  # noqa: E402
 
 
 def restart(node: BenchNode) -> float:
@@ -145,7 +146,7 @@ def main() -> None:
     }
     result = {"bench": "dataplane", "at": utc_now(), "args": vars(args), "with_data_plane": with_dp,
               "without_data_plane": without, "ratios": ratios}
-    out = ROOT / "bench" / "results" / "dataplane.json"
+    out = result_path("dataplane")
     out.write_text(json.dumps(result, indent=1) + "\n")
     for k, v in {**{f"with.{k}": v for k, v in with_dp.items()},
                  **{f"without.{k}": v for k, v in without.items()}, **ratios}.items():

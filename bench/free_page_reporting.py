@@ -50,6 +50,7 @@ from tests.vmm.fprguest import (
     make_rootfs,
     rollup,
 )
+from _results import result_path  # noqa: E402
 
 MiB = 1 << 20
 BOOT_TIMEOUT_S = 240
@@ -187,7 +188,7 @@ async def main() -> None:
         "spawn_guarded_vs_plain": round(s["guarded"]["median_ms"] / s["plain"]["median_ms"], 2),
     }
     results["ratios"] = ratios
-    out = ROOT / "bench" / "results" / "free_page_reporting.json"
+    out = result_path("free_page_reporting")
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(
         f"free_page_reporting: restored VM returned {r['returned_mib']} of {KEEP_MIB} MiB freed "

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._node import run_node, sigterm_as_interrupt
 from bench._stats import utc_now
+from _results import result_path  # noqa: E402
 
 WRITER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /home/user/counter; sleep 0.5; done'"
           " >/dev/null 2>&1 &")
@@ -98,7 +99,7 @@ def main() -> None:
         Sandbox.kill(sb.sandbox_id)
         out = {"at": utc_now(), "cycles": args.cycles, "baseline_bytes": baseline, "per_cycle": rows,
                "final": {"held_bytes": held, "without_gc_bytes": held + freed, "floor_bytes": floor}}
-        dest = ROOT / "bench" / "results" / "gc_disk.json"
+        dest = result_path("gc_disk")
         dest.write_text(json.dumps(out, indent=2) + "\n")
         print(f"gc_disk: after {args.cycles} pause/resume cycles the node holds {mib(held)} MiB "
               f"(without gc {mib(held + freed)} MiB, {(held + freed) / max(held, 1):.1f}x); floor (template + "

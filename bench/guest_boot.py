@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from aenv_node.images import ENVD_PORT, ENVD_READY_MARKER, ensure_base_rootfs, ensure_kit
 from aenv_node.images.cmdline import host_tsc_khz, kernel_cmdline
 from aenv_node.images.cpio import CharDevice, write_newc
+from _results import result_path  # noqa: E402
 
 FLOOR_MARKER = "aenv-floor: init reached"
 GUEST_IP = "169.254.0.21"
@@ -188,7 +189,7 @@ def main() -> None:
     ap.add_argument("--state-dir", type=Path, default=Path(os.environ.get("AENV_STATE_DIR", "/var/lib/aenv")))
     ap.add_argument("--tb-size", type=int, default=None, help="QEMU TCG translation cache size in MiB")
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "guest_boot.json")
+    ap.add_argument("--out", type=Path, default=result_path("guest_boot"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (network namespace, tap device)")

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from aenv_node.storage import FlatFileDevice, Image, import_raw  # noqa: E402
 from aenv_node.storage.frontends import serve_nbd  # noqa: E402
+from _results import result_path  # noqa: E402
 
 JOBS = {
     "randread-4k-qd32": dict(rw="randread", bs="4k", iodepth=32),
@@ -89,7 +90,7 @@ async def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(sockdir, ignore_errors=True)
-    out = ROOT / "bench" / "results" / "image_nbd.json"
+    out = result_path("image_nbd")
     out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": res},
                               indent=2) + "\n")
     print("image_nbd: " + "; ".join(

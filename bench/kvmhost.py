@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.kvmhost import vm  # noqa: E402
 from tests.kvmhost.conftest import _wait_base  # noqa: E402
+from _results import result_path  # noqa: E402
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -135,7 +136,7 @@ def main() -> None:
                                       "times"}
     for vmm in vmms:
         result[vmm] = measure(vmm, args.rounds)
-    out = ROOT / "bench" / "results" / "kvmhost.json"
+    out = result_path("kvmhost")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print("kvmhost " + "; ".join(f"{vmm}: " + " ".join(f"{op}=x{r:.1f}" for op, r in result[vmm]["node_over_raw"].items())
                                  for vmm in vmms) + f" (wrote {out})")

@@ -80,6 +80,7 @@ from bench._floor import (  # noqa: E402
 )
 from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
+from _results import result_path  # noqa: E402
 
 GUEST_PYTHON = "/opt/aenv/bin/python"  # the tools drive's Python (the base rootfs has no python3)
 MEM_WRITER = (
@@ -719,7 +720,7 @@ def main() -> None:
     ap.add_argument("--tcg-tb-size-mb", type=int, default=64, help="as the node's vmm.tcg_tb_size_mb")
     ap.add_argument("--tcg-tb-size-restore-mb", type=int, default=16,
                     help="as the node's vmm.tcg_tb_size_restore_mb (restored VMs)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lifecycle.json")
+    ap.add_argument("--out", type=Path, default=result_path("lifecycle"))
     args = ap.parse_args()
     args.forks = [int(x) for x in args.forks.split(",") if x.strip()]
 

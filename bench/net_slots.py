@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import trio
 
@@ -27,6 +26,7 @@ from aenv_node.net import (
     remove_orphans,
 )
 from aenv_node.net._cmd import run
+from _results import result_path  # noqa: E402
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 
@@ -109,7 +109,7 @@ async def main() -> None:
             await remove_orphans(cfg)
             await run(["ip", "netns", "del", "aenv-bnch-floor"], ok_if=("No such file",))
 
-    out = Path(__file__).with_name("results") / "net_slots.json"
+    out = result_path("net_slots")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     for k, v in res.items():

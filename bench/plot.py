@@ -3,15 +3,20 @@
   lifecycle.png  bench/lifecycle.py: each node operation beside its raw floor from the same run (log scale)
   kvmhost.png    bench/kvmhost.py: node / raw VMM per operation, Firecracker and QEMU with KVM, nested
   soak.png       bench/soak.py: the node's RSS over the run, and p50/p90/p99 per operation
+  create.png     bench/sandbox_create.py: the distribution of create and first-command latencies, and creates
+                 per minute against the number of concurrent clients
+  density.png    bench/density.py: memory per forked child against the number of children, part by part
 
 A plot is skipped (and said so) when its JSON is missing. Needs the ``bench`` extra:
 ``.venv/bin/pip install -e '.[bench]'``.
 
-Run: .venv/bin/python bench/plot.py   (writes docs/img/*.png)
+Run: .venv/bin/python bench/plot.py [--results DIR] [--img DIR]   (default: bench/results, docs/img; bench/run
+calls it after its benches)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,7 @@ OUT = ROOT / "docs" / "img"
 
 
 def _load(name: str) -> dict[str, Any] | None:
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{name}.json"  # (set by main)
     if not path.exists():
         print(f"skipped {name}.png: no {path}")
         return None
@@ -108,8 +113,77 @@ def soak() -> None:
     print(f"wrote {OUT / 'soak.png'}")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    global RESULTS, OUT
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--img", type=Path, default=OUT)
+    args = ap.parse_args()
+    RESULTS, OUT = args.results, args.img
     OUT.mkdir(parents=True, exist_ok=True)
-    lifecycle()
-    kvmhost()
-    soak()
+    for draw in PLOTS:
+        draw()
+
+
+def create() -> None:
+    data = _load("sandbox_create")
+    if data is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    samples = data["latency"]["samples"]
+    for key, name in (("create_s", "create()"), ("first_cmd_s", "first command"), ("total_s", "both")):
+        values = sorted(s[key] for s in samples)  # (the bench names them _s; they are milliseconds)
+        left.plot(values, [(i + 1) / len(values) for i in range(len(values))], marker=".", label=name)
+    left.set_xlabel("ms")
+    left.set_ylabel("fraction of sandboxes")
+    left.legend(fontsize=8)
+    left.set_title(f"create latency, n={len(samples)} (cumulative)", fontsize=10)
+    tp = data["throughput"]
+    right.plot([t["clients"] for t in tp], [t["creates_per_min"] for t in tp], marker="o")
+    right.set_xlabel("concurrent clients")
+    right.set_ylabel("creates per minute")
+    right.set_ylim(bottom=0)
+    right.set_title("create -> run -> kill cycles", fontsize=10)
+    fig.suptitle(f"Sandbox create through the E2B SDK, QEMU TCG ({data['started_at'][:16]})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "create.png", dpi=110)
+    print(f"wrote {OUT / 'create.png'}")
+
+
+def density() -> None:
+    data = _load("density")
+    if data is None:
+        return
+    variants = data.get("variants", {})
+    name = "default" if "default" in variants else "smoke" if "smoke" in variants else None
+    steps = [st for st in (variants[name]["steps"] if name else []) if st.get("pss", {}).get("children")]
+    if not steps:
+        print("skipped density.png: no step with a PSS reading in density.json")
+        return
+    parts = (("guest_ram_shared", "snapshot image (shared)"), ("guest_ram_private", "guest pages written (private)"),
+             ("tcg_tb_cache", "QEMU: TCG translation cache"), ("heap", "QEMU: heap"),
+             ("anon_other", "QEMU: other anonymous"), ("qemu_binary", "QEMU: binary"), ("libs", "QEMU: libraries"))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = range(len(steps))
+    bottom = [0.0] * len(steps)
+    for key, label in parts:
+        values = [st["pss"]["per_child_by_category_mib"].get(key, 0.0) for st in steps]
+        ax.bar(xs, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, st, top in zip(xs, steps, bottom):
+        ax.annotate(f"{st['pss']['overcommit_ratio']}x", (x, top), ha="center", va="bottom", fontsize=8)
+    ax.axhline(51.2, color="black", linestyle="--", linewidth=0.8, label="10x overcommit of 512 MiB")
+    ax.set_xticks(list(xs), [str(st["pss"]["children"]) for st in steps])
+    ax.set_xlabel("idle children forked from one 512 MiB sandbox (label: overcommit)")
+    ax.set_ylabel("PSS MiB per child")
+    ax.legend(fontsize=7)
+    ax.set_title(f"Memory per child, variant {name} ({variants[name].get('started_at', '')[:16]})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "density.png", dpi=110)
+    print(f"wrote {OUT / 'density.png'}")
+
+
+PLOTS = (lifecycle, kvmhost, soak, create, density)
+
+if __name__ == "__main__":
+    main()

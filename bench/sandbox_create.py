@@ -30,6 +30,7 @@ Run: .venv/bin/python bench/sandbox_create.py [-n 10] [-c 1,2,4] [--tp-count 12]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -62,11 +63,12 @@ from bench._floor import (  # noqa: E402
     template_snapshot_id,
     vm_config,
 )
-from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
+from bench._node import BenchNode, profiled, run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
 from bench.vmm_floor import MEM_MIB as TINY_MEM_MIB  # noqa: E402
 from bench.vmm_floor import cfg as tiny_cfg  # noqa: E402
 from tests.vmm.tinyguest import build_tiny_guest, last_tick, wait_for_tick  # noqa: E402
+from _results import result_path  # noqa: E402
 
 ENVD_PORT = 49983
 CLONE_NEWNET = 0x40000000
@@ -345,7 +347,9 @@ def main() -> None:
     ap.add_argument("--floor-runs", type=int, default=5)
     ap.add_argument("--tcg-tb-size-mb", type=int, default=64, help="as the node's vmm.tcg_tb_size_mb")
     ap.add_argument("--sandbox-timeout", type=int, default=300, help="E2B sandbox timeout (s) per sandbox")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sandbox_create.json")
+    ap.add_argument("--out", type=Path, default=result_path("sandbox_create"))
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy the node's control plane through the throughput phase of the last level")
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",") if x.strip()]
 
@@ -380,11 +384,28 @@ def main() -> None:
             results["latency"] = latency_phase(Sandbox, node, args.sandboxes, args.sandbox_timeout)
             tp = []
             for c in levels:
-                r = throughput_phase(Sandbox, c, args.tp_count, args.tp_time, args.sandbox_timeout)
+                cpu_before = node.cpu_s()
+                with contextlib.ExitStack() as stack:
+                    if args.profile and c == levels[-1]:
+                        raw = args.out.with_name("sandbox_create_profile.txt")
+                        results["profile"] = stack.enter_context(profiled(node.proc.pid, raw))
+                        results["profile"]["raw"] = str(raw)
+                    r = throughput_phase(Sandbox, c, args.tp_count, args.tp_time, args.sandbox_timeout)
+                cpu_after = node.cpu_s()
+                # the node's own CPU per create -> command -> kill cycle (the guests' and VMMs' not counted)
+                r["node_cpu_ms_per_cycle"] = {
+                    k: round((cpu_after[k] - cpu_before[k]) * 1000 / max(r["completed"], 1), 1)
+                    for k in cpu_after if k in cpu_before}
                 tp.append(r)
                 print(f"C={c}: {r['completed']} cycles in {r['elapsed_s']} s = {r['creates_per_min']} creates/min"
-                      f" ({len(r['errors'])} errors)", flush=True)  # fmt: skip
+                      f" ({len(r['errors'])} errors); node CPU per cycle {r['node_cpu_ms_per_cycle']} ms",
+                      flush=True)  # fmt: skip
             results["throughput"] = tp
+            if "profile" in results:
+                prof = results["profile"]
+                print(f"profile of the node's control plane ({prof.get('samples', 0)} samples at 100 Hz):")
+                for frame, share in prof.get("top_node", []):
+                    print(f"  {share * 100:5.1f}%  {frame}")
             # what the node said about failures (its log goes away with its state directory)
             results["node_log_warnings"] = [
                 ln[:400] for ln in node.log_path.read_text(errors="replace").splitlines()

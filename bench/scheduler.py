@@ -29,6 +29,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import ms, pct, utc_now  # noqa: E402
+from _results import result_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 400
@@ -137,7 +138,7 @@ def main() -> None:
         rproc.terminate()
         rproc.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    out = ROOT / "bench" / "results" / "scheduler.json"
+    out = result_path("scheduler")
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
 

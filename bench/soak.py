@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
 from _stats import ms, pct, utc_now  # noqa: E402
+from _results import result_path  # noqa: E402
 
 WARM_SLOTS = 2
 MARK = "/home/user/soak.txt"
@@ -199,7 +200,7 @@ def main() -> None:
     ap.add_argument("--max-live", type=int, default=6, help="running sandboxes at most (2 cores: TCG guests)")
     ap.add_argument("--max-ops", type=int, default=5000, help="operations per client at most")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
+    ap.add_argument("--out", type=Path, default=result_path("soak"))
     args = ap.parse_args()
 
     with sigterm_as_interrupt(), run_node(extra_env={"AENV_NET_WARM_SLOTS": str(WARM_SLOTS),

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from aenv_node.storage import FlatFileDevice, Image, import_raw, materialize  # noqa: E402
+from _results import result_path  # noqa: E402
 
 BLOCK = 4096
 MiB = 1 << 20
@@ -149,7 +150,7 @@ def main() -> None:
         # seal of a 64 MiB upper (fresh image, 64 MiB of 64 KiB random writes)
         img = Image.open([base.path], work / "up2", fsync=True)
         chunk = os.urandom(64 * 1024)
-        for o in rnd.sample(range(0, size, 64 * 1024), (64 * MiB) // (64 * 1024)):
+        for o in rnd.sample(range(0, size, 64 * 1024), min(size, 64 * MiB) // (64 * 1024)):
             img.pwrite(o, chunk)
         img.flush()
         t = time.perf_counter()
@@ -198,7 +199,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    out = ROOT / "bench" / "results" / "storage_image.json"
+    out = result_path("storage_image")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     r = res

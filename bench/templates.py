@@ -78,6 +78,7 @@ from aenv_node.templates import ImageConverter  # noqa: E402
 from bench._node import run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import utc_now  # noqa: E402
 from tests.images.oci.servers import Registry, start_registry, stop_registry_process  # noqa: E402
+from _results import result_path  # noqa: E402
 
 IMAGE_CACHE = Path("/var/lib/aenv")
 NOBODY = 65534
@@ -545,7 +546,7 @@ def main() -> None:
                     "(default: the newest /var/lib/aenv/rootfs/base-*.ext4)")
     ap.add_argument("--no-build", action="store_true", help="skip part c (the node, its VMs)")
     ap.add_argument("--quiet-wait-min", type=float, default=15, help="how long part c waits for other VMs to end")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "templates.json")
+    ap.add_argument("--out", type=Path, default=result_path("templates"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (loop devices, mounts, a node)")

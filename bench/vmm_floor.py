@@ -49,6 +49,7 @@ from aenv_node.vmm import (  # noqa: E402
     VmmDriver,
 )
 from tests.vmm.tinyguest import build_tiny_guest, last_tick, wait_for_tick  # noqa: E402
+from _results import result_path  # noqa: E402
 
 MEM_MIB = 256
 
@@ -237,7 +238,7 @@ async def main() -> None:
             ratios[f"{vmm}_boot"] = round(d["boot_console"]["median_ms"] / d["raw_boot_console"]["median_ms"], 2)
     results["driver_over_floor"] = ratios
     results["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    out = ROOT / "bench" / "results" / "vmm_floor.json"
+    out = result_path("vmm_floor")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 
