@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import os
+import random
 import socket
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -21,21 +26,22 @@ def free_port() -> int:
 
 
 def free_pool_cidr() -> str:
-    """A /24 for a test node's network slots that nothing on this host routes yet."""
-    import ipaddress
-    import json
-    import random
-    import subprocess
+    """A /24 for a test node's network slots that nothing on this host routes yet.
 
+    From ``10.11.<first>-<last>.0`` where ``AENV_TEST_POOL_OCTETS`` is ``first-last`` (default 64-249). A whole
+    run's two pytest processes get disjoint ranges (scripts/dev): a pool that one process's test holds while its
+    node is stopped (the crash matrix restarts a node on its pool) is not routed then, and the other process
+    took it once, so that the restarted node found its pool routed by another node."""
+    first, last = (int(x) for x in os.environ.get("AENV_TEST_POOL_OCTETS", "64-249").split("-"))
     routes = json.loads(subprocess.run(["ip", "-j", "-4", "route", "show"], capture_output=True,
                                        text=True, check=True).stdout or "[]")
     used = [ipaddress.ip_network(r["dst"], strict=False) for r in routes
             if r.get("dst") not in (None, "", "default")]
     for _ in range(200):
-        cand = ipaddress.ip_network(f"10.11.{random.randrange(64, 250)}.0/24")
+        cand = ipaddress.ip_network(f"10.11.{random.randrange(first, last + 1)}.0/24")
         if not any(cand.overlaps(u) for u in used):
             return str(cand)
-    raise RuntimeError("no free /24 in 10.11.64.0-10.11.249.255 for a test node")
+    raise RuntimeError(f"no free /24 in 10.11.{first}.0-10.11.{last}.255 for a test node")
 
 
 @pytest.fixture

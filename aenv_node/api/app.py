@@ -116,7 +116,9 @@ def create_app(node: Node, *, sandboxes: Optional[SandboxService] = None,
         app.url_map.converters[converter_name] = converter
     handlers = {**HANDLERS, **(extra_handlers or {})}
     by_endpoint: dict[str, Route] = {}
-    metrics = ApiMetrics(node)
+    metrics = ApiMetrics(node, cache=lambda: None if sandboxes is None else sandboxes.parts.cache,
+                         dataplane_cache=lambda: None if sandboxes is None or sandboxes.parts.dataplane is None
+                         else sandboxes.parts.dataplane.cache_stats_blocking())
     api = ApiContext(node, sandboxes)
     app.extensions["aenv_metrics"] = metrics
     app.extensions["aenv_node"] = node

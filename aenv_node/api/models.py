@@ -75,6 +75,7 @@ __all__ = [
     # responses
     "Error",
     "Health",
+    "NodeDrain",
     "NodeInfo",
     "Event",
     "Sandbox",
@@ -336,6 +337,15 @@ class Error(ResponseModel):
 class Health(ResponseModel):
     status: Literal["ok", "draining"]
     version: str
+
+
+class NodeDrain(ResponseModel):
+    """What ``POST /node/drain`` left (the node takes no new sandbox operation from then on)."""
+
+    paused: int = Field(description="running sandboxes this drain paused and published")
+    running: int = Field(description="sandboxes still running (their pause failed; the log says why)")
+    unpublished: int = Field(description="paused sandboxes whose snapshot is not yet in the repository (the node "
+                                         "goes on publishing them; until then only this node can resume them)")
 
 
 class NodeInfo(ResponseModel):

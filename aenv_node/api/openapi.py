@@ -217,7 +217,7 @@ def _operation(route: Route, implemented: bool, refs: dict[type[BaseModel], dict
     if route.response is None and route.success != 200:  # 202, 204: no body
         success: dict[str, Any] = {"description": "Success"}
     else:
-        schema = {}
+        schema = {"type": "string", "format": "binary"} if route.content_type == "application/octet-stream" else {}
         if route.response is not None:
             schema = refs[route.response]
             if route.response_is_list:

@@ -23,11 +23,17 @@ the sandbox registry on kill, pause or slot release) cancels that sandbox's
 exchanges and closes its pool: network slots are reused by other sandboxes,
 so a connection must never outlive the sandbox it was opened to, and a stream
 to a vanished guest would otherwise wait forever (reads have no timeout).
-Keep-alive to guests is off by default, as in E2B's orchestrator proxy (guest
-servers restart; a connect over a local tap is cheap); ``keepalive=True``
-pools connections per sandbox (bench/proxy_overhead.py measures both).
+Connections to guests are kept alive by default (``keepalive=False`` opens one
+per request): a new connection costs the proxy and the guest's server more CPU
+than the small request it carries (bench/proxy_overhead.py). It is safe because
+the pools are per sandbox and go with it (above), idle ones expire after
+``keepalive_expiry``, and one the guest closed while idle is not reused.
 
-WebSockets are relayed message by message in ``proxy_ws``.
+The node's listener serves the common sandbox request without this class's
+ASGI path, by a raw HTTP/1.1 relay (``relay.py``, using the same routing, token
+check, errors and per-sandbox state); this class serves the rest: WebSockets
+(relayed message by message in ``proxy_ws``), chunked uploads, and every
+request of a connection that also carried one the relay leaves to Hypercorn.
 
 Errors follow E2B's client-proxy wording because the SDK maps a 502 by its
 message (e2b/exceptions.py): "... was not found" means the sandbox is not
@@ -40,7 +46,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpcore
 import trio
@@ -82,6 +88,9 @@ __all__ = [
     "route",
 ]
 
+if TYPE_CHECKING:
+    from .relay import IdleUpstream
+
 log = logging.getLogger(__name__)
 
 class _ReceivedBody:
@@ -102,10 +111,35 @@ class _ReceivedBody:
 
 @dataclass(eq=False)
 class _SandboxTraffic:
-    """What the proxy holds for one sandbox: its connection pool and in-flight exchanges."""
+    """What the proxy holds for one sandbox: its connection pools and in-flight exchanges.
 
-    pool: httpcore.AsyncConnectionPool
+    Two pools, one per path: ``pool`` (httpcore, made on first use) serves the ASGI path; ``idle`` holds the
+    raw relay's (``relay.py``) kept-alive upstream connections, newest last.
+    """
+
+    keepalive: bool
+    keepalive_expiry: float
     scopes: set[trio.CancelScope] = field(default_factory=set)
+    idle: list[IdleUpstream] = field(default_factory=list)
+    _pool: httpcore.AsyncConnectionPool | None = None
+
+    @property
+    def pool(self) -> httpcore.AsyncConnectionPool:
+        if self._pool is None:
+            self._pool = httpcore.AsyncConnectionPool(
+                max_connections=None,
+                max_keepalive_connections=64 if self.keepalive else 0,
+                keepalive_expiry=self.keepalive_expiry,
+                retries=0,
+            )
+        return self._pool
+
+    async def aclose(self) -> None:
+        idle, self.idle = self.idle, []
+        for upstream in idle:
+            upstream.sock.close()  # nothing to flush on an idle connection
+        if self._pool is not None:
+            await self._pool.aclose()
 
 
 class SandboxProxy:
@@ -124,7 +158,7 @@ class SandboxProxy:
         domain: str = "",
         *,
         connect_timeout: float = 5.0,
-        keepalive: bool = False,
+        keepalive: bool = True,
         keepalive_expiry: float = 30.0,
         websocket_max_message: int = 16 * 1024 * 1024,
     ) -> None:
@@ -137,6 +171,7 @@ class SandboxProxy:
         self.keepalive_expiry = keepalive_expiry
         self._sandboxes: dict[str, _SandboxTraffic] = {}
         self._closing: set[_SandboxTraffic] = set()
+        self._pruned = 0.0
 
     async def disconnect(self, sandbox_id: str) -> int:
         """Cut every proxied request and WebSocket of a sandbox; returns how many.
@@ -157,7 +192,7 @@ class SandboxProxy:
         if traffic.scopes:
             self._closing.add(traffic)  # the last request to leave closes the pool
         else:
-            await traffic.pool.aclose()
+            await traffic.aclose()
         return count
 
     def active(self, sandbox_id: str) -> int:
@@ -169,38 +204,68 @@ class SandboxProxy:
         """Sandboxes with traffic state held (in-flight requests or pooled connections)."""
         return len(self._sandboxes)
 
-    @asynccontextmanager
-    async def _session(self, sandbox_id: str) -> AsyncIterator[tuple[trio.CancelScope, httpcore.AsyncConnectionPool]]:
-        """One proxied exchange: cancellable by ``disconnect``, with the sandbox's own pool.
-
-        Pools are per sandbox so that a connection never outlives the sandbox
-        it was opened to (slots are reused); without keep-alive a sandbox's
-        entry goes away with its last request.
-        """
+    def _enter(self, sandbox_id: str) -> tuple[_SandboxTraffic, trio.CancelScope]:
+        """Start one proxied exchange: its cancel scope (``disconnect`` cancels it; the caller enters it) and
+        the sandbox's pools. End it with ``_leave``."""
         traffic = self._sandboxes.get(sandbox_id)
         if traffic is None:
-            traffic = self._sandboxes[sandbox_id] = _SandboxTraffic(httpcore.AsyncConnectionPool(
-                max_connections=None,
-                max_keepalive_connections=64 if self.keepalive else 0,
-                keepalive_expiry=self.keepalive_expiry,
-                retries=0,
-            ))
+            traffic = self._sandboxes[sandbox_id] = _SandboxTraffic(self.keepalive, self.keepalive_expiry)
         scope = trio.CancelScope()
         traffic.scopes.add(scope)
+        return traffic, scope
+
+    def _leave_needs_close(self, sandbox_id: str, traffic: _SandboxTraffic, scope: trio.CancelScope) -> bool:
+        """``_leave`` without awaiting when it has nothing to close (the common case); True when it has: then
+        call ``_leave`` (shielded)."""
+        if len(traffic.scopes) > 1 or (traffic not in self._closing and (
+                self.keepalive or self._sandboxes.get(sandbox_id) is not traffic)):
+            traffic.scopes.discard(scope)
+            return False
+        return True
+
+    async def _leave(self, sandbox_id: str, traffic: _SandboxTraffic, scope: trio.CancelScope) -> None:
+        """End an exchange started by ``_enter`` (call it shielded). Pools are per sandbox so that a
+        connection never outlives the sandbox it was opened to (slots are reused); without keep-alive a
+        sandbox's entry goes away with its last request."""
+        traffic.scopes.discard(scope)
+        if not traffic.scopes:
+            if traffic in self._closing:
+                self._closing.discard(traffic)
+                await traffic.aclose()
+            elif not self.keepalive and self._sandboxes.get(sandbox_id) is traffic:
+                del self._sandboxes[sandbox_id]
+                await traffic.aclose()
+
+    @asynccontextmanager
+    async def _session(self, sandbox_id: str) -> AsyncIterator[tuple[trio.CancelScope, _SandboxTraffic]]:
+        """One proxied exchange of the ASGI path: ``_enter`` and ``_leave`` around the block."""
+        traffic, scope = self._enter(sandbox_id)
         try:
             with scope:
-                yield scope, traffic.pool
+                yield scope, traffic
         finally:
-            traffic.scopes.discard(scope)
-            if not traffic.scopes:
-                if traffic in self._closing:
-                    self._closing.discard(traffic)
-                    with trio.CancelScope(shield=True):
-                        await traffic.pool.aclose()
-                elif not self.keepalive and self._sandboxes.get(sandbox_id) is traffic:
-                    del self._sandboxes[sandbox_id]
-                    with trio.CancelScope(shield=True):
-                        await traffic.pool.aclose()
+            with trio.CancelScope(shield=True):
+                await self._leave(sandbox_id, traffic, scope)
+
+    def maybe_prune(self, now: float) -> None:
+        """``prune_idle`` at most once a second (the raw relay calls it as it returns connections)."""
+        if now - self._pruned >= 1.0:
+            self._pruned = now
+            self.prune_idle(now)
+
+    def prune_idle(self, now: float) -> None:
+        """Close the raw relay's idle upstream connections older than ``keepalive_expiry`` (every sandbox's),
+        and forget sandboxes left with nothing: a sandbox that had a burst of traffic once does not keep its
+        sockets open until it is paused or killed."""
+        for sandbox_id, traffic in list(self._sandboxes.items()):
+            if traffic.idle:
+                keep = [u for u in traffic.idle if now - u.since < self.keepalive_expiry]
+                for upstream in traffic.idle:
+                    if now - upstream.since >= self.keepalive_expiry:
+                        upstream.sock.close()
+                traffic.idle = keep
+            if not traffic.idle and not traffic.scopes and traffic._pool is None:
+                del self._sandboxes[sandbox_id]
 
     async def __aenter__(self) -> Self:
         return self
@@ -212,7 +277,7 @@ class SandboxProxy:
         """Close every pooled connection (call once the server stopped)."""
         with trio.CancelScope(shield=True):
             for traffic in [*self._sandboxes.values(), *self._closing]:
-                await traffic.pool.aclose()
+                await traffic.aclose()
         self._sandboxes.clear()
         self._closing.clear()
 
@@ -267,11 +332,11 @@ class SandboxProxy:
             started = True
             await send(message)
 
-        async with self._session(target.sandbox_id) as (session, pool):
+        async with self._session(target.sandbox_id) as (session, traffic):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump_request, receive, body_send, has_body, nursery.cancel_scope)
                 try:
-                    await self._forward(scope, send_tracked, target, resolution, pool,
+                    await self._forward(scope, send_tracked, target, resolution, traffic.pool,
                                         body_recv if has_body else None)
                 finally:
                     # Response done (or failed): stop feeding the upstream; the pump

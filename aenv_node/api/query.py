@@ -41,6 +41,7 @@ __all__ = [
     "TemplatesPageQuery",
     "BuildStatusQuery",
     "UploadQuery",
+    "LayerRangeQuery",
     "NEXT_TOKEN_PATTERN",
     "MAX_LIMIT",
 ]
@@ -215,6 +216,15 @@ class TemplatesPageQuery(QueryModel):
 
 class BuildStatusQuery(QueryModel):
     logs_offset: Offset = Field(0, alias="logsOffset")
+
+
+class LayerRangeQuery(QueryModel):
+    """A range of a layer a peer asks for (P2P): at most ``p2p.max_range_bytes`` long."""
+
+    offset: Annotated[int, Field(ge=0, le=1 << 50, description="the range's first byte in the layer"),
+                      BeforeValidator(_int)]
+    length: Annotated[int, Field(ge=1, le=1 << 30, description="the range's length in bytes"),
+                      BeforeValidator(_int)]
 
 
 class UploadQuery(QueryModel):

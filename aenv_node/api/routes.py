@@ -32,7 +32,9 @@ from .query import (
     SnapshotsQuery,
     TemplatesPageQuery,
     UploadQuery,
+    LayerRangeQuery,
 )
+from ..storage.repository.manifest import DIGEST_PATTERN
 from .template_models import (
     FILES_HASH_PATTERN,
     AssignedTags,
@@ -58,6 +60,7 @@ from .models import (
     NetworkUpdate,
     NewSandbox,
     NewSnapshot,
+    NodeDrain,
     NodeInfo,
     PauseSandbox,
     Refresh,
@@ -120,7 +123,7 @@ class Route:
 
 #: path parameters with a format of their own (the app refuses another value with a 400 before the handler); any
 #: other is a non-empty string
-PATH_PATTERNS: Mapping[str, str] = {"hash": FILES_HASH_PATTERN}
+PATH_PATTERNS: Mapping[str, str] = {"hash": FILES_HASH_PATTERN, "layerDigest": DIGEST_PATTERN}
 
 #: Paths that are also an instance of a parameterized path: ``/sandboxes/metrics`` of ``/sandboxes/{sandboxID}``,
 #: ``/templates/tags`` of ``/templates/{templateID}``. That word is never the parameter when it ends the path (the
@@ -176,6 +179,13 @@ ROUTES: tuple[Route, ...] = (
           content_type="text/plain", stateful=False),
     Route("GET", "/openapi.json", "openapi", "This document", _N, auth=False, stateful=False),
     Route("GET", "/node", "node_info", "Node identity, version and capacity", _N, response=NodeInfo),
+    Route("POST", "/node/drain", "drain_node", "Drain the node: no new sandbox operations (503), every running "
+          "sandbox paused and published to the repository, for another node to resume; not undone until the node "
+          "restarts (aenv-node drain)", _N, response=NodeDrain, error_statuses=(501,)),
+    Route("GET", "/node/layers/{layerDigest}", "get_layer_range", "A range of a layer this node caches, for a "
+          "peer node (P2P, p2p.enabled): only chunks cached here are served (404 otherwise, never fetched); at "
+          "most p2p.max_range_bytes, at most p2p.max_concurrent_serves at once (503)", _N, query=LayerRangeQuery,
+          content_type="application/octet-stream", error_statuses=(404, 503), stateful=False),
     Route("GET", "/events", "list_events", "State-change events, newest first (after=ID: the ones after it, "
           "oldest first)", _N, response=Event, response_is_list=True, query=EventsQuery),
     # -- E2B sandboxes -----------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Optional, cast
 
 import trio
@@ -19,11 +20,12 @@ from hypercorn.trio import serve
 from ..runtime import Node
 from .app import create_app
 from .context import SandboxService
+from .listener import serve_with_relay
 from .proxy import ASGIApp, Resolution, Resolver, SandboxProxy
 from .request_head import limit_request_head
 from .traffic import Message, Receive, Scope, Send
 
-__all__ = ["ApiServer", "shield_last_send"]
+__all__ = ["ApiServer", "api_hypercorn_config", "serve_api", "shield_last_send"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,35 @@ def sandbox_resolver(sandboxes: SandboxService) -> Resolver:
     return resolve
 
 
+def api_hypercorn_config(listen: str, graceful_timeout: float | None = None) -> HypercornConfig:
+    """Hypercorn's settings for the node's API and traffic listener, and the gateway's (``graceful_timeout``:
+    None keeps Hypercorn's)."""
+    hc = HypercornConfig()
+    hc.bind = [listen]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    if graceful_timeout is not None:
+        hc.graceful_timeout = graceful_timeout
+    hc.keep_alive_timeout = 75
+    hc.read_timeout = None  # proxied Connect streams and idle stdin streams stay open
+    hc.include_server_header = False
+    return hc
+
+
+async def serve_api(asgi: ASGIApp, proxy: SandboxProxy | None, hc: HypercornConfig, *,
+                    shutdown_trigger: Callable[[], Awaitable[None]],
+                    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the API (``asgi``) and, with a ``proxy``, sandbox traffic, until ``shutdown_trigger`` returns
+    (then finish what is in flight, for up to ``hc.graceful_timeout``). What the node runs, and what
+    bench/proxy_overhead.py measures."""
+    # both are ASGI apps (hypercorn's typing knows Quart's only); the head limits apply to both
+    app: Any = limit_request_head(proxy or asgi)
+    if proxy is None or hc.ssl_enabled or any(bind.startswith(("unix:", "fd://")) for bind in hc.bind):
+        await serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    else:  # sandbox traffic takes the raw relay where it can (listener.py, relay.py)
+        await serve_with_relay(app, proxy, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)
+
+
 class ApiServer:
     """Serves the E2B API; stops accepting once the node has drained (``node.drained``: until then new
     operations get 503) and finishes the requests in flight."""
@@ -92,23 +123,14 @@ class ApiServer:
             sandboxes.stopped_hooks.append(self.proxy.disconnect)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        hc = HypercornConfig()
-        hc.bind = [self.node.cfg.api.listen]
-        hc.accesslog = None
-        hc.errorlog = logging.getLogger("hypercorn.error")
-        hc.graceful_timeout = min(self.node.cfg.node.shutdown_grace_s, 30.0)
-        hc.keep_alive_timeout = 75
-        hc.read_timeout = None  # proxied Connect streams and idle stdin streams stay open
-        hc.include_server_header = False
-        # both are ASGI apps (hypercorn's typing knows Quart's only); the head limits apply to both
-        app: Any = limit_request_head(self.proxy or self.asgi)
+        hc = api_hypercorn_config(self.node.cfg.api.listen, min(self.node.cfg.node.shutdown_grace_s, 30.0))
         async with contextlib.AsyncExitStack() as stack:
             if self.proxy is not None:
                 await stack.enter_async_context(self.proxy)
             nursery = await stack.enter_async_context(trio.open_nursery())
             self.bound = await nursery.start(
-                lambda task_status: serve(app, hc, shutdown_trigger=self.node.drained.wait,
-                                          task_status=task_status)
+                lambda task_status: serve_api(self.asgi, self.proxy, hc, shutdown_trigger=self.node.drained.wait,
+                                              task_status=task_status)
             )
             log.info("API listening on %s", ", ".join(self.bound))
             task_status.started()

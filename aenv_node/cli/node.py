@@ -87,7 +87,10 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None, pause_
     if cfg.cluster.scheduler_url:
         from ..cluster import HeartbeatSender
 
-        node.services.append(HeartbeatSender(node, slot_capacity=sandboxes.parts.netcfg.capacity))
+        heartbeat = HeartbeatSender(node, slot_capacity=sandboxes.parts.netcfg.capacity)
+        node.services.append(heartbeat)
+        # a sandbox that ran on a node the scheduler counts dead is taken over from its last checkpoint
+        sandboxes.ops.owner_dead = heartbeat.owner_is_dead
 
     async def main_task() -> None:
         async with trio.open_nursery() as nursery:
@@ -103,6 +106,42 @@ def serve(ctx: click.Context, state_dir: Path | None, listen: str | None, pause_
         trio.run(main_task)
     except BaseExceptionGroup as group:
         raise click.ClickException(_first_error(group)) from None
+
+
+@main.command()
+@click.option("--url", default=None, help="The node's API (default http://<api.listen>, 0.0.0.0 as 127.0.0.1).")
+@click.option("--timeout", default=900.0, show_default=True,
+              help="Seconds to wait for every running sandbox to be paused and published.")
+@pass_config
+def drain(cfg: Config, url: str | None, timeout: float) -> None:
+    """Drain the running node: it takes no new sandbox operation (503: a gateway places them on other nodes),
+    pauses every running sandbox and publishes it to the repository, so another node resumes it on its next
+    connect; returns when that is done. The node stays drained until it stops (a Kubernetes preStop, or before
+    `systemctl stop`)."""
+    import httpx
+
+    if url is None:
+        host = cfg.api.host if cfg.api.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{cfg.api.port}"
+    try:
+        key_value = cfg.api.api_key or cfg.api_key_path.read_text().strip()
+    except FileNotFoundError:
+        raise click.ClickException(f"no API key: {cfg.api_key_path} is missing (is the node's state here?)") from None
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/node/drain", headers={"X-API-KEY": key_value}, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"no node answers at {url}: {exc}") from None
+    if r.status_code != 200:
+        try:
+            message = r.json()["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        raise click.ClickException(f"drain failed ({r.status_code}): {message}")
+    report = r.json()
+    click.echo(f"drained: {report['paused']} paused, {report['running']} still running, "
+               f"{report['unpublished']} not yet published")
+    if report["running"] or report["unpublished"]:
+        raise click.ClickException("the node did not drain entirely (its log says why)")
 
 
 @main.group()
@@ -140,6 +179,9 @@ def dataplane_run(cfg: Config) -> None:
     import trio
 
     from ..dataplane import serve_dataplane
+    from ..runtime.api_key import key_reader
+    from ..runtime.node import node_id_for
+    from ..runtime.peers import peer_options
     from ..storage.cache import LayerCache, run_janitor
     from ..storage.repository import repository_from_config
 
@@ -148,10 +190,14 @@ def dataplane_run(cfg: Config) -> None:
 
     async def main_task() -> None:
         repository = repository_from_config(cfg)
+        # P2P (p2p.enabled): the disks' missing ranges are asked of peers first, and this cache serves peers
+        # through the node's API (cache.read)
+        peers = peer_options(cfg, node_id_for(cfg), key_reader(cfg))
         # its own cache directory beside the control plane's (that one is another process's, with its own
         # bookkeeping): ``<storage.cache_dir>-dataplane``
-        cache = LayerCache(cfg.cache_dir.with_name(cfg.cache_dir.name + "-dataplane"), repository, capacity_bytes=st.cache_capacity_bytes,
-                           high_watermark=st.cache_high_watermark, low_watermark=st.cache_low_watermark)
+        cache = LayerCache(cfg.cache_dir.with_name(cfg.cache_dir.name + "-dataplane"), repository,
+                           capacity_bytes=st.cache_capacity_bytes, high_watermark=st.cache_high_watermark,
+                           low_watermark=st.cache_low_watermark, peers=peers)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_janitor, cache)
@@ -159,6 +205,8 @@ def dataplane_run(cfg: Config) -> None:
                 nursery.cancel_scope.cancel()
         finally:
             cache.close()
+            if peers is not None:
+                peers.source.close()
             repository.close()
 
     trio.run(main_task)

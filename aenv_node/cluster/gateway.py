@@ -34,22 +34,23 @@ from urllib.parse import parse_qs
 
 import httpx
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from ..api.proxy import SandboxProxy
 from ..api.request_head import limit_request_head
-from ..api.server import shield_last_send
+from ..api.server import api_hypercorn_config, shield_last_send
 from ..api.traffic import Message, Receive, Resolution, Scope, Send, Target, error_body, forwardable, header
 from ..runtime.errors import SandboxNotRunning
 from .gateway_io import Answer, Passed, Reply, host_port, json_field, read_body, replay
 from .merge import (
     SandboxPage,
+    listed_twice,
     merge_running,
     merge_sandbox_pages,
     merge_snapshots,
     merge_templates,
     page_templates,
+    without_stale,
 )
 from .models import NodeView, Placement, PlacementRequest
 from .scheduler_client import NoPlacement, SchedulerClient, SchedulerUnavailable
@@ -82,7 +83,7 @@ class Gateway:
         # a create or a fork waits for its node (seconds under TCG); connecting to a node must be quick
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(node_timeout_s, connect=5.0))
         #: traffic of sandboxes, to their nodes; everything else reaches the API part
-        self.asgi = SandboxProxy(self._api, self._sandbox_node, domain)
+        self.asgi = SandboxProxy(self._api, self._sandbox_node, domain, keepalive=False)
         #: API requests, to a node by its id (pooled: one gateway talks to few nodes, often)
         self._to_node = SandboxProxy(self._api, self._node_address, keepalive=True)
         #: template id or alias -> the node holding it, as last found
@@ -184,6 +185,9 @@ class Gateway:
             return
         if m := _ALIAS.match(path):
             await self._forward_to(scope, receive, send, await self._template_node(scope, m["alias"]))
+            return
+        if (m := _TEMPLATE.match(path)) and method == "DELETE" and path.rstrip("/").count("/") == 2:
+            await (await self._delete_everywhere(scope)).send(send)
             return
         if m := _TEMPLATE.match(path):
             await self._forward_to(scope, receive, send, await self._template_node(scope, m["id"]))
@@ -375,14 +379,21 @@ class Gateway:
             answers, missing = await self._fan_out(scope, query)
         except Passed as passed:
             return passed.reply
+        sent = [(n.status.node_id, r.json()) for n, r in answers]  # each node's page, parsed once
+        home: dict[str, Optional[str]] = {}
+        for sid in listed_twice(sent):  # rare: a sandbox that moved, still listed by the node it left
+            bound = await self.scheduler.lookup(sid)
+            home[sid] = bound.binding.node_id if bound is not None else None
+        lists = [without_stale(items, node_id, home) for node_id, items in sent]
         if not paged:
-            return Reply.json(200, merge_running(r.json() for _n, r in answers), self._missing(missing))
+            return Reply.json(200, merge_running(lists), self._missing(missing))
         params = parse_qs(query)
         limit = int(params.get("limit", ["100"])[-1])
         descending = params.get("order", ["asc"])[-1] == "desc"
-        items, token = merge_sandbox_pages(
-            (SandboxPage(r.json(), bool(r.headers.get("x-next-token"))) for _n, r in answers),
-            limit=limit, descending=descending)
+        # a page of a node's that lost a stale item still says whether that node has more after its last
+        pages = [SandboxPage(items, bool(r.headers.get("x-next-token")), page[-1] if page else None)
+                 for items, (_id, page), (_n, r) in zip(lists, sent, answers)]
+        items, token = merge_sandbox_pages(pages, limit=limit, descending=descending)
         headers = self._missing(missing) + ([(b"x-next-token", token.encode())] if token else [])
         return Reply.json(200, items, headers)
 
@@ -448,6 +459,29 @@ class Gateway:
 
     # ----- templates --------------------------------------------------------------------------------
 
+    async def _delete_everywhere(self, scope: Scope) -> Reply:
+        """``DELETE /templates/{id}``: a template (or user snapshot) shared through the repository may be on
+        several nodes (the one that made it and those that imported it): each deletes its copy, and the first
+        also its shared records. 204 if any node had it; a refusal (403 a node's own template, 409 a build in
+        progress) before a 404; 404 if none had it."""
+        answers: list[httpx.Response] = []
+
+        async def one(node: NodeView) -> None:
+            try:
+                answers.append(await self._call(node, scope))
+            except httpx.HTTPError as exc:
+                log.warning("deleting on node %s failed: %s: %s", node.status.node_id, type(exc).__name__, exc)
+
+        async with trio.open_nursery() as nursery:
+            for node in await self.scheduler.alive_nodes():
+                nursery.start_soon(one, node)
+        if any(r.is_success for r in answers):
+            return Reply(204, b"", [])
+        refused = [r for r in answers if r.status_code != 404]
+        if refused or answers:
+            return Reply.of((refused or answers)[0])
+        raise Answer(503, "no live node answered")
+
     async def _template_node(self, scope: Scope, name: str) -> str:
         """The node holding template ``name`` (an id, an alias, or ``alias:tag``)."""
         key = name.split(":", 1)[0] if name else name
@@ -505,13 +539,7 @@ async def run_gateway(listen: str, gateway: Gateway, *, shutdown: Callable[[], A
                       task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``gateway`` on ``listen`` until ``shutdown`` returns (the requests in flight finish), then close
     its connections; ``task_status`` gets the bound addresses."""
-    hc = HypercornConfig()
-    hc.bind = [listen]
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.include_server_header = False
-    hc.keep_alive_timeout = 75
-    hc.read_timeout = None  # proxied Connect streams and idle stdin streams stay open, as on a node
+    hc = api_hypercorn_config(listen)  # as a node's: proxied Connect streams and idle stdin streams stay open
     app: Any = limit_request_head(shield_last_send(gateway.asgi))
     try:
         await serve(app, hc, shutdown_trigger=shutdown, task_status=task_status)

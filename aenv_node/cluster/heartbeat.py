@@ -25,7 +25,7 @@ from ..runtime import Node
 from ..state import BuildStatus, SandboxState
 from ..state import Sandbox as SandboxRow
 from ..state import Template as TemplateRow
-from .models import NodeCapacity, NodeLoad, NodeStatus
+from .models import NodeCapacity, NodeLoad, NodeStatus, NodeView
 
 __all__ = ["HeartbeatSender", "host_memory_mb"]
 
@@ -79,7 +79,8 @@ class HeartbeatSender:
                                 disk_free_mb=disk.free // (1024 * 1024),
                                 slots_free=max(0, self.slot_capacity - load.running))
         return NodeStatus(node_id=self.node.node_id, url=self.advertise, software=__version__,
-                          capacity=capacity, load=load, templates=templates[:10_000], draining=draining)
+                          capacity=capacity, load=load, templates=templates[:10_000],
+                          draining=draining or self.node.tracker.draining)
 
     async def beat(self, client: httpx.AsyncClient, *, draining: bool = False) -> bool:
         """Send one heartbeat; whether the scheduler took it."""
@@ -98,6 +99,30 @@ class HeartbeatSender:
         self.sent += 1
         self.last_error = None
         return True
+
+    async def owner_is_dead(self, owner: str) -> bool:
+        """For ``SnapshotOperations.owner_dead``: whether the node an ownership record names (``<node id>/<tag>``)
+        is dead to the scheduler: known to it, and without a heartbeat for its TTL. A node the scheduler does not
+        know, or a scheduler that does not answer, is not: a take-over must never race a node that lives."""
+        node_id = owner.split("/", 1)[0]
+        if node_id == self.node.node_id:
+            return False
+        nodes_url = self.url.rsplit("/", 1)[0]
+        try:
+            async with httpx.AsyncClient(timeout=5) as client:
+                r = await client.get(nodes_url, headers={"X-API-KEY": self.node.api_key})
+        except (httpx.HTTPError, OSError) as exc:
+            log.warning("asking the scheduler whether node %s is dead failed: %s", node_id, exc)
+            return False
+        if r.status_code != 200:
+            log.warning("asking the scheduler whether node %s is dead failed: %s %s", node_id, r.status_code,
+                        r.text[:200])
+            return False
+        for item in r.json():
+            view = NodeView.model_validate(item)
+            if view.status.node_id == node_id:
+                return not view.alive
+        return False
 
     def _failed(self, error: str) -> None:
         if error != self.last_error:

@@ -26,6 +26,8 @@ from ..api.handlers.sandboxes import encode_token
 
 __all__ = [
     "SandboxPage",
+    "listed_twice",
+    "without_stale",
     "merge_sandbox_pages",
     "merge_running",
     "merge_snapshots",
@@ -50,14 +52,34 @@ def started_key(item: Item) -> tuple[int, str]:
     return micros, str(item["sandboxID"])
 
 
+def listed_twice(lists: Iterable[tuple[str, Sequence[Item]]]) -> set[str]:
+    """Sandbox ids that more than one node lists: one that moved to another node (a drain, a node gone and back)
+    is still listed, paused, by the node it left, which does not learn of the move."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for _node, items in lists:
+        for item in items:
+            sid = str(item["sandboxID"])
+            (twice if sid in seen else seen).add(sid)
+    return twice
+
+
+def without_stale(items: Sequence[Item], node_id: str, home: dict[str, Optional[str]]) -> list[Item]:
+    """``node_id``'s listed sandboxes but those that live on another node (``home``: sandbox id -> the node its
+    binding names, for the ids ``listed_twice`` found; None: bound nowhere, every listing of it is kept)."""
+    return [i for i in items if home.get(str(i["sandboxID"]), node_id) in (node_id, None)]
+
+
 class SandboxPage:
-    """One node's answer to ``GET /v2/sandboxes``: its items, and whether it has more after them."""
+    """One node's answer to ``GET /v2/sandboxes``: its items, whether it has more after them, and the last item
+    it sent (``last``; by default the last of ``items``: given when items were dropped from the answer)."""
 
-    __slots__ = ("items", "more")
+    __slots__ = ("items", "more", "last")
 
-    def __init__(self, items: Sequence[Item], more: bool) -> None:
+    def __init__(self, items: Sequence[Item], more: bool, last: Optional[Item] = None) -> None:
         self.items = list(items)
         self.more = more
+        self.last = last if last is not None else (self.items[-1] if self.items else None)
 
 
 def merge_sandbox_pages(pages: Iterable[SandboxPage], *, limit: int, descending: bool) -> tuple[list[Item],
@@ -65,11 +87,22 @@ def merge_sandbox_pages(pages: Iterable[SandboxPage], *, limit: int, descending:
     """The cluster's page from every node's page of the same query, and its ``x-next-token`` (None: the last)."""
     pages = list(pages)
     merged = sorted((item for page in pages for item in page.items), key=started_key, reverse=descending)
+    # a node with more to send has nothing it did not send before its page's last item, and may have anything
+    # after it: the page ends at the earliest such last item (a full page's last lies at or after the cut at
+    # ``limit``, so this only bites on a page that lost items: a moved sandbox's stale listing)
+    ends = [page.last for page in pages if page.more and page.last is not None]
+    end: Optional[Item] = None
+    if ends:
+        end = (max if descending else min)(ends, key=started_key)
+        bound = started_key(end)
+        merged = [i for i in merged if (started_key(i) >= bound if descending else started_key(i) <= bound)]
     out = merged[:limit]
     more = len(merged) > limit or any(page.more for page in pages)
-    if not more or not out:
+    if not more:
         return out, None
-    last = out[-1]
+    last = out[-1] if out else end  # nothing left before the bound (every item there stale): page on from it
+    if last is None:
+        return out, None
     return out, encode_token(_parse_time(str(last["startedAt"])), str(last["sandboxID"]))
 
 

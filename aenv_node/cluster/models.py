@@ -5,6 +5,9 @@ One set of pydantic models for the scheduler's HTTP API (``scheduler.py``), the 
 validates and stores, field for field. These are the cluster's own wire format, not E2B's: snake_case, strict
 types, unknown fields refused (a node newer than its scheduler must not be read half).
 
+The P2P records (``LayerAnnouncement``, ``LayerHolders``) are defined in ``runtime/peer_models.py``, because
+the node's runtime speaks them too and may not import this package, and re-exported here.
+
 Every record in Redis carries ``version``: a scheduler refuses a record of a version it does not know rather
 than guessing at it (the rolling upgrade of a cluster bumps it only with a reader for the old one).
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..runtime.peer_models import NODE_ID_PATTERN, LayerAnnouncement, LayerHolder, LayerHolders
 
 __all__ = [
     "RECORD_VERSION",
@@ -28,13 +33,14 @@ __all__ = [
     "Reservation",
     "BindingRequest",
     "Binding",
+    "LayerAnnouncement",
+    "LayerHolder",
+    "LayerHolders",
 ]
 
 #: the version of every record this code writes into Redis
 RECORD_VERSION: Literal[1] = 1
 
-#: a node id: what ``node.node_id`` may be (it names Redis keys and appears in URLs)
-NODE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _SANDBOX_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 

@@ -9,7 +9,7 @@ Three steps, as AgentENV's scheduler and E2B's orchestrator place:
    node whose guests all touch theirs swaps, so its ratio is usually lower.
 2. **Prefer warm nodes.** A node that already holds the template's snapshot starts the sandbox without
    fetching anything; the ones that do (or the ``prefer`` node: a paused sandbox's last node) are chosen
-   from first.
+   from first; a cold node imports the template from the repository the nodes share (snapshot/share.py).
 3. **Least loaded of K random candidates** ("power of K choices"): comparing a few random nodes instead of
    all spreads a burst of creates from several scheduler replicas, which would otherwise all pick the same
    least loaded node between two heartbeats, at almost the balance of a full scan.

@@ -9,7 +9,9 @@ Routes (all but ``/health`` need the cluster's API key in ``X-API-KEY``; errors 
 - ``DELETE /v1/nodes/{nodeID}``: the node left -> 204;
 - ``POST /v1/placements``: ``PlacementRequest`` -> 201 ``Placement``, or 503 when no node has room;
 - ``DELETE /v1/placements/{nodeID}/{placementID}``: the create failed, give its share back -> 204;
-- ``PUT /v1/bindings/{sandboxID}``: ``BindingRequest`` -> 204; ``GET`` -> ``{binding, node}``; ``DELETE`` -> 204.
+- ``PUT /v1/bindings/{sandboxID}``: ``BindingRequest`` -> 204; ``GET`` -> ``{binding, node}``; ``DELETE`` -> 204;
+- ``PUT /v1/nodes/{nodeID}/layers``: the layers the node caches (``LayerAnnouncement``, P2P) -> 204;
+- ``GET /v1/layers/{digest}/holders``: the live nodes that announced the layer -> 200 ``LayerHolders``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import random
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, cast
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -30,7 +32,12 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ..api.errors import error_response
-from .models import NODE_ID_PATTERN, BindingRequest, NodeStatus, PlacementRequest, Placement
+from ..api.request_head import limit_request_head
+from ..api.server import shield_last_send
+from ..api.traffic import ASGIApp
+from ..storage.repository.manifest import DIGEST_PATTERN
+from .models import (NODE_ID_PATTERN, BindingRequest, LayerAnnouncement, LayerHolders, NodeStatus, Placement,
+                     PlacementRequest)
 from .placement import NoCapacity, PlacementPolicy, choose_node
 from .store import ClusterStore, StoreUnavailable
 
@@ -40,6 +47,7 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 _NODE_ID_RX = re.compile(NODE_ID_PATTERN)
+_DIGEST_RX = re.compile(DIGEST_PATTERN)
 
 
 class _Refused(Exception):
@@ -120,6 +128,22 @@ def create_scheduler_app(store: ClusterStore, policy: PlacementPolicy, api_key: 
             raise _Refused(404, f"node {node_id} is not registered")
         return Response("", status=204)
 
+    @app.put("/v1/nodes/<node_id>/layers")
+    async def announce_layers(node_id: str) -> Response:
+        _check_node_id(node_id)
+        announcement = await _body(LayerAnnouncement)
+        if announcement.node_id != node_id:
+            raise _Refused(400, f"layers of {announcement.node_id!r} announced for {node_id!r}")
+        await store.announce_layers(announcement)
+        return Response("", status=204)
+
+    @app.get("/v1/layers/<digest>/holders")
+    async def layer_holders(digest: str) -> Response:
+        if not _DIGEST_RX.match(digest):
+            raise _Refused(400, f"{digest!r} is not a layer digest (sha256:<64 hex digits>)")
+        holders = await store.layer_holders(digest)
+        return jsonify(LayerHolders(digest=digest, holders=holders).model_dump(mode="json"))
+
     @app.post("/v1/placements")
     async def place() -> Response:
         req = await _body(PlacementRequest)
@@ -172,5 +196,7 @@ async def run_scheduler(listen: str, store: ClusterStore, policy: PlacementPolic
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.include_server_header = False
-    app: Any = create_scheduler_app(store, policy, api_key)
+    # as on a node: a response sent before its body was read (a 400 on the path, a 401) must not leave the
+    # keep-alive connection answering nothing (found under load: a client's next request hung)
+    app: Any = limit_request_head(shield_last_send(cast(ASGIApp, create_scheduler_app(store, policy, api_key))))
     await serve(app, hc, shutdown_trigger=shutdown, task_status=task_status)

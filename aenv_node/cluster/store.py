@@ -8,7 +8,12 @@ needs from here and keeps nothing of its own. Each key holds typed records (``mo
 - ``<prefix>reservations`` (hash): ``<node id>/<placement id>`` -> ``Reservation``, what placements took from a
   node that its heartbeats do not count yet (one hash for all nodes: a placement reads every node's, and the
   ones in flight are few);
-- ``<prefix>bindings`` (hash): sandbox id -> ``Binding``.
+- ``<prefix>bindings`` (hash): sandbox id -> ``Binding``;
+- ``<prefix>layers`` (hash): node id -> ``LayerAnnouncement``, the layers the node last said it caches (P2P);
+- ``<prefix>holders:<digest>`` (set of node ids): the same, inverted, so "who holds D" is one ``SMEMBERS``. It is
+  derived from the announcements and changed with them in one ``MULTI``; a node's announcements come one after
+  the other, so nothing else writes its part of it. A dead node's entries stay until it announces again or is
+  forgotten, and are left out of answers by the heartbeat TTL (the rule placement uses).
 
 A reservation lives until a heartbeat is sure to count its sandbox: once the sandbox is bound, the first heartbeat
 *received* after the one following the binding (the node computed it after the binding landed), or after
@@ -31,7 +36,7 @@ import trio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .models import Binding, NodeStatus, NodeView, Reservation
+from .models import Binding, LayerAnnouncement, LayerHolder, NodeStatus, NodeView, Reservation
 
 __all__ = ["ClusterStore", "StoreUnavailable"]
 
@@ -124,6 +129,7 @@ class ClusterStore:
             held = [f for f in cast(dict[str, str], r.hgetall(res_key)) if f.startswith(node_id + "/")]
             if held:
                 r.hdel(res_key, *held)
+            self._replace_layers(r, node_id, None)
             return bool(r.hdel(self._key("nodes"), node_id))
         return await self._run(work)
 
@@ -157,6 +163,49 @@ class ClusterStore:
             if view.status.node_id == node_id:
                 return view
         return None
+
+    # -- layer holders (P2P) ------------------------------------------------------------------------------------
+
+    def _replace_layers(self, r: redis.Redis, node_id: str, new: Optional[LayerAnnouncement]) -> None:
+        """Make ``new`` the node's announcement (None: it has none), the inverted index with it, in one MULTI."""
+        raw = r.hget(self._key("layers"), node_id)
+        old = set(LayerAnnouncement.model_validate_json(raw).layers) if raw else set()
+        now = set(new.layers) if new is not None else set()
+        pipe = r.pipeline(transaction=True)
+        for digest in old - now:
+            pipe.srem(self._key("holders", digest), node_id)
+        for digest in now - old:
+            pipe.sadd(self._key("holders", digest), node_id)
+        if new is None:
+            pipe.hdel(self._key("layers"), node_id)
+        else:
+            pipe.hset(self._key("layers"), node_id, new.model_dump_json())
+        pipe.execute()
+
+    async def announce_layers(self, announcement: LayerAnnouncement) -> None:
+        """Record the layers a node caches now (replacing what it announced before)."""
+        await self._run(lambda r: self._replace_layers(r, announcement.node_id, announcement))
+
+    async def layer_holders(self, digest: str) -> list[LayerHolder]:
+        """The live nodes that announced ``digest``, with their API's URL (sorted by node id)."""
+        def work(r: redis.Redis) -> list[LayerHolder]:
+            ids = sorted(cast(set[str], r.smembers(self._key("holders", digest))))
+            if not ids:
+                return []
+            pipe = r.pipeline(transaction=False)
+            pipe.time()
+            pipe.hmget(self._key("nodes"), ids)
+            (seconds, micros), raws = pipe.execute()
+            now = float(seconds) + micros / 1e6
+            out = []
+            for node_id, raw in zip(ids, raws):
+                if raw is None:
+                    continue
+                status, seen_at = self._status(raw)
+                if now - seen_at <= self.node_ttl_s:
+                    out.append(LayerHolder(node_id=node_id, url=status.url))
+            return out
+        return await self._run(work)
 
     # -- placements --------------------------------------------------------------------------------------------
 

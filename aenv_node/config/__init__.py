@@ -145,6 +145,7 @@ class TemplatesSection:
     boot_timeout_s: float = 180.0
     ready_timeout_s: float = 300.0
     max_concurrent_builds: int = 2
+    build_default: bool = True
     code_interpreter: bool = True
     cache_ttl_s: float = 604800.0
 
@@ -177,6 +178,17 @@ class ClusterSection:
     heartbeat_interval_s: float = 2.0
 
 
+@dataclass(frozen=True)
+class P2pSection:
+    enabled: bool = False
+    timeout_s: float = 2.0
+    max_attempts: int = 2
+    max_range_bytes: int = 4 * 1024 * 1024
+    max_concurrent_serves: int = 16
+    holders_ttl_s: float = 2.0
+    announce_max_layers: int = 1000
+
+
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vmm", "kind"): ("auto", "qemu", "firecracker"),
     ("vmm", "accel"): ("auto", "kvm", "tcg"),
@@ -201,6 +213,7 @@ class Config:
     templates: TemplatesSection = field(default_factory=TemplatesSection)
     logs: LogsSection = field(default_factory=LogsSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    p2p: P2pSection = field(default_factory=P2pSection)
 
     # Derived paths: one place decides the state directory's layout.
     @property
@@ -449,6 +462,19 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"config net.dns_upstreams: {upstream!r} is not IPV4[:PORT]") from None
     _validate_jailer(cfg.vmm)
     _validate_cluster(cfg.cluster)
+    _validate_p2p(cfg.p2p, cfg.cluster)
+
+
+def _validate_p2p(p: P2pSection, cl: ClusterSection) -> None:
+    if p.enabled and not cl.scheduler_url:
+        raise ConfigError("config p2p.enabled: peers are found through the scheduler; set cluster.scheduler_url")
+    if p.timeout_s <= 0 or p.holders_ttl_s < 0:
+        raise ConfigError("config p2p: need timeout_s > 0 and holders_ttl_s >= 0")
+    if p.max_attempts < 1 or p.max_concurrent_serves < 1 or not 1 <= p.announce_max_layers <= 10_000:
+        raise ConfigError("config p2p: need max_attempts >= 1, max_concurrent_serves >= 1 and "
+                          "1 <= announce_max_layers <= 10000")
+    if p.max_range_bytes < 256 * 1024 or p.max_range_bytes % 4096:
+        raise ConfigError("config p2p.max_range_bytes must be a multiple of 4096 and at least 262144 (a chunk)")
 
 
 def _validate_cluster(cl: ClusterSection) -> None:

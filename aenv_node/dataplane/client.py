@@ -14,6 +14,7 @@ hands out:
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import select
@@ -27,13 +28,17 @@ from typing import Any, Optional, Sequence
 import trio
 
 from ..storage import LayerInfo, LayerRef
+from ..storage.cache_stats import CacheStats
 from ..storage.frontends import DiskFrontend
 from ..vmm.seccomp import SeccompFilter
-from .wire import DataPlaneError, DataPlaneUnavailable, call, call_blocking
+from .wire import MAX_LINE, DataPlaneError, DataPlaneUnavailable, call, call_blocking
 
 __all__ = ["DataPlaneClient", "RemoteDisk", "RemoteProcess", "HeldDisk"]
 
 log = logging.getLogger(__name__)
+
+#: the most of a cached range one ``cache.read`` carries (base64 in a JSON line, under ``wire.MAX_LINE``)
+_RANGE_PIECE = MAX_LINE // 2
 
 
 @dataclass(frozen=True)
@@ -167,8 +172,36 @@ class DataPlaneClient:
     async def call(self, op: str, **args: Any) -> Any:
         return await call(self.sock, op, **args)
 
-    def call_blocking(self, op: str, **args: Any) -> Any:
-        return call_blocking(self.sock, op, **args)
+    def call_blocking(self, op: str, *, timeout_s: Optional[float] = None, **args: Any) -> Any:
+        return call_blocking(self.sock, op, timeout_s=timeout_s, **args)
+
+    # ---- the disks' layer cache, for peers (P2P) ---------------------------------------------------------
+
+    def cached_layers_blocking(self, limit: int) -> list[str]:
+        """The layers the data plane's cache holds bytes of (for the node's announcement; from a thread)."""
+        return [str(d) for d in self.call_blocking("cache.layers", timeout_s=5.0, limit=limit)]
+
+    def cache_stats_blocking(self) -> Optional[CacheStats]:
+        """The counters of the data plane's cache (the sandboxes' disks), or None (no cache, no data plane)."""
+        try:
+            got = self.call_blocking("cache.stats", timeout_s=5.0)
+        except DataPlaneError:
+            return None
+        return None if got is None else CacheStats(**got)
+
+    async def read_cached(self, digest: str, offset: int, length: int) -> tuple[int, bytes, str]:
+        """A range of a layer from the data plane's cache for a peer: (200, bytes, "") or (status, b"", why).
+        Asked in pieces (a call's line carries base64 under ``wire.MAX_LINE``)."""
+        out = bytearray()
+        pos, end = offset, offset + length
+        while pos < end:
+            n = min(_RANGE_PIECE, end - pos)
+            got = await self.call("cache.read", digest=digest, offset=pos, length=n)
+            if got["status"] != 200:
+                return int(got["status"]), b"", str(got["message"])
+            out += base64.b64decode(got["data"])
+            pos += n
+        return 200, bytes(out), ""
 
     async def ping(self) -> Optional[int]:
         """The data plane's pid, or None when none answers."""

@@ -12,7 +12,9 @@ control plane drives it through a handful of calls (``wire.py``), finds it again
 Calls: ``ping``; ``disk.open`` (layers, upper directory, frontend; answers the source a VMM is given),
 ``disk.freeze``/``disk.seal_frozen`` (the two halves of a live capture's disk seal), ``disk.recover`` (seals
 what a capture cut by a control-plane crash left frozen), ``disk.close``, ``disk.list``, ``disk.error``;
-``vmm.spawn`` (argv as the control plane built it), ``vmm.status``, ``vmm.list``. A disk whose server fails
+``vmm.spawn`` (argv as the control plane built it), ``vmm.status``, ``vmm.list``; ``cache.layers`` and
+``cache.read`` (P2P: the layers the disks' cache holds, and a range of one for a peer, from chunks cached here
+only), ``cache.stats`` (that cache's counters, for the node's ``/metrics``). A disk whose server fails
 (a ublk device deleted under it, say) takes down only its own sandbox: its VMM is killed, and ``disk.error``
 tells the control plane why. The control plane signals and watches a VMM
 through a pidfd of its own; only its exit status comes from here.
@@ -23,6 +25,8 @@ their last periodic snapshot when the node next starts, as a crash of the whole 
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +40,7 @@ from typing import Any, Awaitable, Callable, Optional
 import trio
 
 from ..storage import Image, LayerRef, LayerSourceProvider, open_image
+from ..storage.cache_peers import PeerServeRefused
 from ..storage.frontends import DiskFrontend, FrontendKind, export_disk
 from ..vmm.seccomp import SeccompFilter
 from .wire import MAX_LINE, encode_error, vmm_key
@@ -97,6 +102,7 @@ class DataPlane:
             "disk.seal_frozen": self.disk_seal_frozen, "disk.recover": self.disk_recover,
             "disk.close": self.disk_close, "disk.list": self.disk_list, "disk.error": self.disk_error,
             "vmm.spawn": self.vmm_spawn, "vmm.status": self.vmm_status, "vmm.list": self.vmm_list,
+            "cache.layers": self.cache_layers, "cache.read": self.cache_read, "cache.stats": self.cache_stats,
         }
 
     # ---- serving ------------------------------------------------------------------------------------
@@ -304,6 +310,31 @@ class DataPlane:
 
     async def vmm_list(self) -> list[dict[str, Any]]:
         return [{"pid": c.pid, "key": c.key} for c in self.children.values()]
+
+
+    # ---- the disks' layer cache, for peers (P2P) ---------------------------------------------------------
+
+    async def cache_layers(self, limit: int) -> list[str]:
+        """Layers the cache holds bytes of, most recently used first (the node announces them)."""
+        held = getattr(self.cache, "cached_layers", None)
+        return [] if held is None else list(await trio.to_thread.run_sync(held, int(limit)))
+
+    async def cache_stats(self) -> Optional[dict[str, Any]]:
+        """The disks' cache's counters (``CacheStats``), or None without a cache."""
+        stats = getattr(self.cache, "stats", None)
+        return None if stats is None else dataclasses.asdict(await trio.to_thread.run_sync(stats))
+
+    async def cache_read(self, digest: str, offset: int, length: int) -> dict[str, Any]:
+        """A range of a layer for a peer, only from chunks cached here (``LayerCache.serve_range``): ``data`` in
+        base64, or the ``status`` and ``message`` of a refusal (404 not held, 400, 503 busy)."""
+        serve = getattr(self.cache, "serve_range", None)
+        if serve is None:
+            return {"status": 404, "message": "the data plane has no layer cache"}
+        try:
+            data = await trio.to_thread.run_sync(serve, digest, int(offset), int(length))
+        except PeerServeRefused as exc:
+            return {"status": exc.status, "message": str(exc)}
+        return {"status": 200, "data": base64.b64encode(data).decode()}
 
 
 async def serve_dataplane(run_dir: Path, cache: Optional[LayerSourceProvider] = None, *,

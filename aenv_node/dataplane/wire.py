@@ -17,7 +17,7 @@ import errno as errno_mod
 import json
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import trio
 
@@ -97,15 +97,20 @@ async def call(sock: Path, op: str, **args: Any) -> Any:
     return _decode(bytes(buf))
 
 
-def call_blocking(sock: Path, op: str, **args: Any) -> Any:
-    """The same call from a worker thread (or synchronous code)."""
+def call_blocking(sock: Path, op: str, *, timeout_s: Optional[float] = None, **args: Any) -> Any:
+    """The same call from a worker thread (or synchronous code); ``timeout_s``: give up (``DataPlaneUnavailable``)
+    when the data plane does not answer by then (a metrics scrape must not hang on it)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
         try:
             s.connect(str(sock))
         except OSError as exc:
             raise DataPlaneUnavailable(f"cannot connect to {sock}: {exc.strerror}") from None
-        s.sendall(_request(op, args))
-        buf = bytearray()
-        while not buf.endswith(b"\n"):
-            _take(buf, s.recv(65536), op)
+        try:
+            s.sendall(_request(op, args))
+            buf = bytearray()
+            while not buf.endswith(b"\n"):
+                _take(buf, s.recv(65536), op)
+        except TimeoutError:
+            raise DataPlaneUnavailable(f"the data plane at {sock} did not answer {op} within {timeout_s} s") from None
     return _decode(bytes(buf))

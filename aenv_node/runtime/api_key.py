@@ -13,13 +13,14 @@ import logging
 import os
 import secrets
 from pathlib import Path
+from collections.abc import Callable
 from typing import Optional, Protocol
 
 import trio
 
 from ..config import Config
 
-__all__ = ["ApiKeyFromConfig", "ApiKeyWatcher", "ensure_api_key", "rotate_api_key", "RELOAD_INTERVAL_S"]
+__all__ = ["ApiKeyFromConfig", "ApiKeyWatcher", "ensure_api_key", "key_reader", "rotate_api_key", "RELOAD_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,29 @@ def ensure_api_key(cfg: Config) -> tuple[str, Path | None]:
     key = _new_key()
     _write(path, key)
     return key, path
+
+
+def key_reader(cfg: Config) -> Callable[[], str]:
+    """The node's API key as it is now, for a process that only uses it (the data plane, calling peers): the
+    configured one, else the key file's, read again when the file changes (``aenv-node key rotate``); "" while
+    there is none."""
+    if cfg.api.api_key:
+        key = cfg.api.api_key
+        return lambda: key
+    seen: dict[str, tuple[tuple[int, int], str]] = {}
+
+    def read() -> str:
+        path = cfg.api_key_path
+        try:
+            st = path.stat()
+            stamp = (st.st_ino, st.st_mtime_ns)
+            if "key" not in seen or seen["key"][0] != stamp:
+                seen["key"] = (stamp, path.read_text().strip())
+        except FileNotFoundError:
+            return ""
+        return seen["key"][1]
+
+    return read
 
 
 def rotate_api_key(cfg: Config) -> str:

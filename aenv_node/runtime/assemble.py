@@ -4,6 +4,7 @@
 order by ``run_node``, stopped in the reverse order) and ``node.reconcilers``:
 
 ====================  ==========================================================
+p2p-announce          the layers cached here, to the scheduler's index (p2p.enabled)
 host-network          host tables for the slot range (refuses an overlapping one)
 storage               layer cache + janitor, capture buffers, the repository
 slots                 the warm pool of network slots
@@ -29,6 +30,7 @@ from .housekeeping import LocalGc, RepositoryGc, RowExpiry
 from .lifetimes import PeriodicSnapshots, TtlWheel
 from .node import Node
 from .parts import NodeParts
+from .peers import install_peers
 from .reconcile import Reconciler
 from .registry import LiveSandboxes
 from .sandboxes import SandboxService
@@ -42,6 +44,7 @@ __all__ = ["install_sandbox_services"]
 def install_sandbox_services(node: Node, *, build_default_template: bool = True) -> SandboxService:
     cfg = node.cfg
     parts = NodeParts.build(cfg, node.db, node.node_id)
+    install_peers(node, parts)  # P2P layer ranges (p2p.enabled): the cache's peer source, the announcer
     registry = LiveSandboxes(parts)
     ops = SnapshotOperations(
         node.db, store=parts.store, gc=parts.gc, repository=parts.repository, buffers=parts.capture_buffers,
@@ -49,7 +52,7 @@ def install_sandbox_services(node: Node, *, build_default_template: bool = True)
         default_timeout_s=cfg.sandbox.default_timeout_s, fork_max_count=cfg.sandbox.fork_max_count,
         compact_after_layers=cfg.snapshot.compact_after_layers, quiesce=cfg.snapshot.quiesce,
         publish_retry_s=cfg.snapshot.publish_retry_interval_s)
-    templates = TemplateService(parts, build_default=build_default_template)
+    templates = TemplateService(parts, build_default=build_default_template and cfg.templates.build_default)
     service = SandboxService(node, parts, registry, ops, templates)
     node.reconcilers.append(Reconciler(parts, ops))
     node.services.extend([

@@ -5,7 +5,12 @@
 running sandbox each ``snapshot.periodic_interval_s`` (0: off), keeping only
 its newest periodic snapshot: after a node crash the reconciler turns a
 sandbox that has one into a paused sandbox at that snapshot instead of a
-killed one, so long trajectories lose at most one interval.
+killed one, so long trajectories lose at most one interval. On a node of a
+cluster each periodic snapshot is also published to the repository as the
+sandbox's checkpoint, so that another node resumes it from there if this one
+dies for good;
+a checkpoint that finds the sandbox taken over (this node was thought dead)
+kills this copy.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import trio
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ..snapshot.errors import SandboxMovedAway
 from ..state import Sandbox, SandboxState, utcnow
 from .sandboxes import SandboxService
 
@@ -79,5 +85,10 @@ class PeriodicSnapshots:
                     continue
                 try:
                     await self.sandboxes.periodic_snapshot(handle)
+                except SandboxMovedAway as exc:
+                    # another node resumed it from its checkpoint while this one was thought dead (a partition):
+                    # two copies must not run; the record is the other node's, and the kill leaves it alone
+                    log.error("%s", exc)
+                    await self.sandboxes.kill(sid, reason="moved_away")
                 except Exception as exc:
                     log.warning("periodic snapshot of %s failed: %s", sid, exc)

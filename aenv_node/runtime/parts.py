@@ -26,6 +26,7 @@ from ..snapshot.publish import owner_id
 from ..snapshot.store import SnapshotStore
 from ..state import Database
 from ..storage.cache import LayerCache
+from ..storage.cache_peers import PeerOptions
 from ..storage.frontends import DiskFrontend, FrontendKind, choose_frontend
 from ..storage.repository import Repository, repository_from_config
 from ..vmm import Accel, CgroupError, Cgroups, JailerConfig, VmmDriver, VmmLimits, make_driver
@@ -101,6 +102,8 @@ class NodeParts:
     gc: GarbageCollector
     owner: str
     cache: Optional[LayerCache] = None
+    #: P2P layer ranges for the cache (``[p2p]``; set by ``peers.install_peers``), None: off
+    peers: Optional[PeerOptions] = None
     pool: Optional[SlotPool] = None
     live_stacks: Callable[[], list[LiveStack]] = field(default=lambda: [])
     #: the data plane (``node.data_plane``): it serves sandbox disks and starts the VMMs; None: this process does

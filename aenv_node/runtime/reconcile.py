@@ -12,7 +12,10 @@ sockets and uppers. Each such sandbox becomes:
   the repository's record says paused instead of running here), also when the
   node died in the middle of a capture (snapshotting, forking: the sandbox
   was running, and the interrupted capture committed nothing);
-* killed otherwise, with the reason in its event.
+* killed otherwise, with the reason in its event;
+* killed, and its VMM too if it still ran, when its repository record names another node: a node of the
+  cluster took it over from its checkpoint while this one was down (or cut off), and two copies must not
+  run; the record is that node's and is left alone.
 
 Then what its run left is removed: the VMM (by the pid it wrote to its run
 directory before it ran, else the one the row recorded, and only if that
@@ -118,12 +121,19 @@ def _adoptable(s: Session, sandbox_id: str) -> Optional[tuple[SandboxState, int,
     return None
 
 
-def _settle_rows(s: Session, adopted: dict[str, Adoption]) -> list[tuple[str, str]]:
+def _settle_rows(s: Session, adopted: dict[str, Adoption], moved: dict[str, str]) -> list[tuple[str, str]]:
     """Every sandbox the previous run left live, settled (a taken-over one: running, every layer of its disk a
-    row of the node's); (snapshot, sandbox) to publish again."""
+    row of the node's; one another node took over: killed here); (snapshot, sandbox) to publish again."""
     republish: list[tuple[str, str]] = []
     for sb in s.scalars(select(Sandbox).where(Sandbox.state.in_(LIVE_STATES))):
         current = sb.state
+        if sb.id in moved:
+            if current != S.KILLING:
+                repo.transition(s, sb.id, S.KILLING, operation="reconcile")
+            repo.transition(s, sb.id, S.KILLED, operation="reconcile", vmm_pid=None, slot_index=None,
+                            detail={"reason": f"node {moved[sb.id]} took the sandbox over while this node was "
+                                              "down", "owner": moved[sb.id]})
+            continue
         if sb.id in adopted:
             ensure_layers(s, adopted[sb.id].layers, LayerKind.DISK)
             if current != S.RUNNING:
@@ -167,6 +177,10 @@ def _settle_rows(s: Session, adopted: dict[str, Adoption]) -> list[tuple[str, st
     return republish
 
 
+#: how long a reconcile waits for the VMMs it SIGKILLed to be gone before it removes their cgroups
+_VMM_EXIT_WAIT_S = 60
+
+
 def _exists(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie has left its cgroups: it counts as gone)."""
     try:
@@ -186,7 +200,8 @@ class Reconciler:
     async def __call__(self, node: Node) -> None:
         p = self.parts
         found = await p.db.run(_left_live)
-        adopted = await self._find_adoptable(found)
+        moved = await self._moved_away(found)
+        adopted = await self._find_adoptable([f for f in found if f[0] not in moved])
         keep_slots = [a.slot.index for a in adopted.values()]
         await remove_orphans(p.netcfg, keep=keep_slots)
         # what the last run left goes first, whatever the rows below turn out to need: nothing else owns it
@@ -212,7 +227,7 @@ class Reconciler:
             shutil.rmtree(p.cfg.run_dir / sid, ignore_errors=True)
             shutil.rmtree(p.cfg.sandboxes_dir / sid, ignore_errors=True)
         await self._clear_dataplane(adopted)
-        republish = await p.db.run(_settle_rows, adopted)
+        republish = await p.db.run(_settle_rows, adopted, moved)
         # pauses whose publish the stop cut (their local snapshot is whole; the repository's record is not)
         republish += await p.db.run(unpublished_pauses)
         for snapshot_id, sid in republish:
@@ -220,8 +235,8 @@ class Reconciler:
             # nodes may resume it) instead of running on this node
             self.ops.after_pause(snapshot_id, sid)
         for sid, _ in found:  # a record naming this node as running would make other nodes refuse it
-            if sid in adopted:
-                continue  # it runs here: the record is right
+            if sid in adopted or sid in moved:
+                continue  # it runs here: the record is right; or it runs elsewhere: the record is that node's
             try:
                 await settle_record(p.db, p.repository, sid, p.owner)
             except Exception as exc:  # the repository may be unreachable: retried until it answers
@@ -230,9 +245,15 @@ class Reconciler:
                 await p.db.run(record_unsettled, sid, error)
         removed = await remove_orphans(p.netcfg, keep=keep_slots)
         if p.driver.limits is not None:  # the cgroups a crash left, of the VMMs killed above among them
-            with trio.move_on_after(5):
+            # a SIGKILLed VMM busy in the kernel (writing its memory out under a loaded disk) took over 5 s to
+            # go in CI, and its cgroup, still holding it at the sweep, stayed for good: wait for the VMMs
+            with trio.move_on_after(_VMM_EXIT_WAIT_S):
                 while any(_exists(pid) for pid in killed_pids):
                     await trio.sleep(0.05)
+            alive = [pid for pid in killed_pids if _exists(pid)]
+            if alive:
+                log.warning("reconcile: killed VMMs %s still exist after %d s: their cgroups stay", alive,
+                            _VMM_EXIT_WAIT_S)
             await trio.to_thread.run_sync(p.driver.limits.sweep)
         if isinstance(p.driver, FirecrackerDriver):  # the chroots of jailed VMMs that are gone
             jails = await p.driver.sweep_jails(wait_for=killed_pids)
@@ -242,6 +263,24 @@ class Reconciler:
         if removed or found:
             log.info("reconcile: %d sandboxes settled (%d to take over), %d orphan slots removed", len(found),
                      len(adopted), len(removed))
+
+    async def _moved_away(self, found: list[tuple[str, Optional[int]]]) -> dict[str, str]:
+        """Of the sandboxes left live, those whose repository record another node holds now: sandbox -> owner.
+        A record that cannot be read (the repository is down) moves nothing: the checkpoint's publish finds
+        out later (``SandboxMovedAway``)."""
+        p = self.parts
+        out: dict[str, str] = {}
+        for sid, _ in found:
+            try:
+                rec = await trio.to_thread.run_sync(p.repository.get_ownership, sid)
+            except Exception as exc:
+                log.warning("reconcile: the ownership record of %s could not be read: %s", sid, exc)
+                continue
+            if rec is not None and rec.owner not in ("", p.owner):
+                log.warning("reconcile: sandbox %s was taken over by node %s while this node was down: it ends "
+                            "here", sid, rec.owner)
+                out[sid] = rec.owner
+        return out
 
     async def _find_adoptable(self, found: list[tuple[str, Optional[int]]]) -> dict[str, Adoption]:
         """With a data plane (started here if none answers): the sandboxes to take over (module docstring)."""

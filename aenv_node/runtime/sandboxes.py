@@ -23,7 +23,8 @@ from ..faults import crash_point
 from ..net import EgressPolicy
 from ..snapshot.envd import envd_metrics
 from ..snapshot.operations import Launch, SnapshotOperations
-from ..snapshot.publish import forget_published, record_unsettled, settle_record
+from ..snapshot.share import forget_template
+from ..snapshot.publish import forget_published, record_unsettled, settle_record, unpublished_pauses
 from ..state import Database, Sandbox, SandboxState, utcnow
 from ..state import repository as repo
 from ..state.idempotency import prior_create, record, request_hash
@@ -34,7 +35,7 @@ from .registry import LiveSandboxes, StoppedHook
 from .sandbox import SandboxHandle
 from .templates import TemplateService, envd_version
 
-__all__ = ["CreateRequest", "SandboxService"]
+__all__ = ["CreateRequest", "DrainReport", "SandboxService"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,16 @@ class CreateRequest:
     idempotency_key: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class DrainReport:
+    """What a drain left: sandboxes it paused now, ones still running (a pause failed), pauses not yet published
+    to the repository (another node cannot resume those until they are; the node goes on publishing them)."""
+
+    paused: int
+    running: int
+    unpublished: int
+
+
 class SandboxService:
     """See the module docstring."""
 
@@ -72,6 +83,7 @@ class SandboxService:
         self.db: Database = node.db
         #: one lock per Idempotency-Key being created: a retry that arrives meanwhile waits for the first
         self._key_locks: dict[str, trio.Lock] = {}
+        self._drain_lock = trio.Lock()
         registry.stopped_hooks.append(self._settle_record)
         node.drainers.append(self.on_stop)
         registry.lost_hooks.append(node.request_shutdown)
@@ -218,7 +230,23 @@ class SandboxService:
             return
         await self.pause_all()
 
-    async def pause_all(self, *, reason: str = "node_stop") -> None:
+    async def drain(self) -> DrainReport:
+        """``aenv-node drain`` (a Kubernetes preStop, an operator before maintenance): admit no new operation
+        (creates and resumes get 503, so a gateway places them elsewhere; reads go on), let the ones in flight
+        finish, then pause and publish every running sandbox, so that any node of the cluster can resume it from
+        the shared repository. The node stays drained until it stops: a drain is not undone. Calls made while
+        one runs wait for it and find nothing left to pause."""
+        async with self._drain_lock:
+            if not self.node.tracker.draining:
+                log.info("draining: no new sandbox operations; pausing and publishing every running sandbox")
+            self.node.tracker.start_draining()
+            with trio.move_on_after(self.cfg.node.shutdown_grace_s):
+                await self.node.tracker.wait_idle()
+            paused = await self.pause_all(reason="drain")
+            unpublished = await self.db.run(unpublished_pauses)
+            return DrainReport(paused=paused, running=len(self.live), unpublished=len(unpublished))
+
+    async def pause_all(self, *, reason: str = "node_stop") -> int:
         """Pause every running sandbox, a few at a time, then wait for their publishes (``Node.drainers``:
         a graceful stop never kills a sandbox). Not admitted by the tracker: it runs while the node drains. A
         sandbox whose pause fails keeps running (the pause's own rollback) and ends with the node, its error
@@ -240,14 +268,15 @@ class SandboxService:
 
         running = list(self.live)
         if not running:
-            return
+            return 0
         log.info("pausing %d running sandboxes before stopping", len(running))
         async with trio.open_nursery() as nursery:
             for sid in running:
                 nursery.start_soon(one, sid)
         with trio.move_on_after(self.cfg.node.shutdown_grace_s):
             await self.ops.wait_published()
-        log.info("paused %d of %d running sandboxes for the stop", len(paused), len(running))
+        log.info("paused %d of %d running sandboxes (%s)", len(paused), len(running), reason)
+        return len(paused)
 
     async def pause(self, sandbox_id: str, *, reason: str = "pause") -> None:
         async with self.node.tracker.operation("pause"):
@@ -259,7 +288,9 @@ class SandboxService:
 
     async def snapshot(self, sandbox_id: str, *, name: Optional[str] = None) -> str:
         async with self.node.tracker.operation("snapshot"):
-            return await self.ops.snapshot(sandbox_id, name=name)
+            snapshot_id = await self.ops.snapshot(sandbox_id, name=name)
+        self.templates.share(snapshot_id)  # a template for every node of the cluster (in the background)
+        return snapshot_id
 
     async def fork(self, sandbox_id: str, *, count: int, timeout_s: Optional[int]) -> list[Sandbox | Exception]:
         async with self.node.tracker.operation("fork"):
@@ -274,6 +305,10 @@ class SandboxService:
         deleted = await self.parts.store.delete_user_snapshot(snapshot_id)
         if deleted:
             self.parts.gc.request("snapshot_delete")  # its files go once no sandbox runs from it
+            try:  # no other node of the cluster creates sandboxes from it any more
+                await forget_template(self.parts.repository, snapshot_id, None)
+            except Exception as exc:
+                log.warning("removing the repository record of snapshot %s failed: %s", snapshot_id, exc)
         return deleted
 
     # -- settings and observations ------------------------------------------------------------------------

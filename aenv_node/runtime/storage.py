@@ -29,7 +29,7 @@ class StorageService:
             cache = await trio.to_thread.run_sync(lambda: LayerCache(
                 p.cfg.cache_dir, p.repository, capacity_bytes=st.cache_capacity_bytes,
                 high_watermark=st.cache_high_watermark, low_watermark=st.cache_low_watermark,
-                store=CacheStore(p.db)))
+                store=CacheStore(p.db), peers=p.peers))
             p.cache = p.store.cache = cache
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_janitor, cache)
@@ -41,6 +41,8 @@ class StorageService:
                 if p.cache is not None:
                     await trio.to_thread.run_sync(p.cache.close)
                 p.cache = p.store.cache = None
+                if p.peers is not None:
+                    p.peers.source.close()
                 await trio.to_thread.run_sync(p.repository.close)
                 p.capture_buffers.close()
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,10 +84,18 @@ async def run_node(
     handle_signals: bool = True,
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the node until shutdown is requested; returns when everything stopped."""
+    """Run the node until shutdown is requested; returns when everything stopped.
+
+    Once every service runs it logs how long each start phase took (migrations, reconcile, each service's
+    start): a restart of a node holding thousands of sandboxes is read from that line
+    (``bench/fleet_state.py``)."""
+    t0 = time.monotonic()
     await trio.to_thread.run_sync(node.db.upgrade)
+    t_migrated = time.monotonic()
     await node.register()
     await node.reconcile()
+    t_reconciled = time.monotonic()
+    service_s: dict[str, float] = {}
     error: str | None = None
     try:
         async with trio.open_nursery() as nursery:
@@ -95,7 +104,13 @@ async def run_node(
             started: list[_Running] = []
             for service in node.services:
                 log.debug("starting service %s", service.name)
+                t_service = time.monotonic()
                 started.append(await nursery.start(_host, service))
+                service_s[service.name] = time.monotonic() - t_service
+            slowest = sorted(service_s.items(), key=lambda kv: -kv[1])[:3]
+            log.info("node started in %.3f s: migrations %.3f s, reconcile %.3f s, services %.3f s (slowest: %s)",
+                     time.monotonic() - t0, t_migrated - t0, t_reconciled - t_migrated,
+                     sum(service_s.values()), ", ".join(f"{n} {v:.3f} s" for n, v in slowest))
             task_status.started(node)
             await node.shutdown.wait()
             node.tracker.start_draining()

@@ -37,6 +37,7 @@ from ..state import (
     new_id,
     utcnow,
 )
+from ..snapshot.share import forget_template, import_template, publish_template, unshared_templates
 from ..state.repository import record_event
 from ..templates import (
     CODE_INTERPRETER,
@@ -202,12 +203,40 @@ class TemplateService:
             own = self._in_progress.enter([tid, *self._builtin_names()] if self.build_default else [])
             nursery.start_soon(self._expire_caches_forever)
             task_status.started()
+            # templates a stop or a repository fault left unpublished go up now (snapshot/share.py)
+            for unshared in await self.parts.db.run(unshared_templates, self._not_shared()):
+                self.share(unshared)
             try:
                 if self.build_default:
                     await self._build_own(tid)
             finally:
                 self._in_progress.leave(own)
             await trio.sleep_forever()
+
+    def _not_shared(self) -> tuple[str, ...]:
+        """The node's own templates: every node builds its own from its own kit, so none is published."""
+        return (self.parts.cfg.sandbox.default_template, *self._builtin_names())
+
+    def share(self, template_id: str) -> None:
+        """Publish a template built (or a user snapshot taken) here for the cluster's other nodes, in the
+        background: the caller does not wait for the upload (snapshot/share.py)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self._share_quietly, template_id)
+
+    async def _share_quietly(self, template_id: str) -> None:
+        try:
+            await publish_template(self.parts.db, self.parts.repository, self.parts.cfg.layers_dir, template_id,
+                                   publisher=self.parts.owner, exclude=self._not_shared())
+        except Exception as exc:  # the repository may be down: the next start publishes it
+            log.warning("publishing template %s to the repository failed: %s", template_id, exc)
+
+    async def _import(self, name: str) -> bool:
+        """A template another node published, imported here (False: none is)."""
+        try:
+            return await import_template(self.parts.db, self.parts.repository, self.parts.store.snapshots_dir, name)
+        except Exception as exc:
+            log.warning("looking for template %r in the repository failed: %s", name, exc)
+            return False
 
     async def _expire_caches_forever(self) -> None:
         while True:
@@ -377,6 +406,7 @@ class TemplateService:
                                    vcpus=t.cpu_count, mem_mib=t.memory_mb, disk_size_mb=t.disk_size_mb,
                                    build_log=blog, description=description)
             self.parts.gc.request("template_build")
+            self.share(t.id)
         except trio.Cancelled:
             with trio.CancelScope(shield=True):
                 await self.parts.db.run(_fail_build, build_id, "interrupted: the node shut down during the build")
@@ -417,15 +447,22 @@ class TemplateService:
                          from_state=t.status, to_state="deleted",
                          detail={"alias": t.alias, "snapshot_id": t.boot_snapshot_id,
                                  "snapshots": [sn.id for sn in snapshots], "sandboxes_not_killed": users})
+            gone.append((t.id, t.alias))
             s.delete(t)
             return True
 
+        gone: list[tuple[str, Optional[str]]] = []
         done = await self.parts.db.run(work)
         if done is None:
             return False
         if done is False:
             raise TemplateProtected(f"template {name!r} is one of this node's own templates")
         self.parts.gc.request("template_delete")
+        for template_id, alias in gone:  # no node of the cluster imports it any more
+            try:
+                await forget_template(self.parts.repository, template_id, alias)
+            except Exception as exc:
+                log.warning("removing the repository record of template %s failed: %s", template_id, exc)
         return True
 
     async def _wait_build_of(self, name: str) -> None:
@@ -547,6 +584,8 @@ class TemplateService:
         """The template ``name`` (an id or an alias, with ``:tag`` or not) and the boot snapshot it names."""
         await self._wait_build_of(name)
         found = await self.parts.db.run(lookup, name)
+        if found is None and split_name(name)[1] is None and await self._import(name):
+            found = await self.parts.db.run(lookup, name)  # another node of the cluster built it
         if found is None:
             raise TemplateNotFound(f"template {name!r} not found")
         if found.missing_tag:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import ssl
 import time
 from typing import Mapping
 
@@ -22,6 +23,11 @@ from ..images import ENVD_PORT  # the guest kit starts envd on that port: one de
 __all__ = ["ENVD_PORT", "EnvdUnavailable", "wait_envd", "init_envd", "envd_metrics", "quiesce_guest", "thaw_guest"]
 
 log = logging.getLogger(__name__)
+
+#: envd is plain HTTP on the slot's address, but an httpx client builds a TLS context when it is made, loading
+#: the system's CA bundle: a quarter of the control plane's CPU per create (bench/sandbox_create.py --profile).
+#: One (verifying, default) context, made once, serves every client here (none of them speaks TLS today).
+_TLS_CONTEXT = ssl.create_default_context()
 
 #: How long a capture waits for the guest to sync and freeze its filesystem before it captures anyway (a hung
 #: guest must stay pausable; its memory and disk are still captured at one instant).
@@ -40,7 +46,7 @@ async def wait_envd(host: str, *, timeout: float = 120.0, interval: float = 0.05
     """Poll ``/health`` until envd answers; returns the seconds waited."""
     start = time.monotonic()
     last: str = "no answer"
-    async with httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0)) as client:
+    async with httpx.AsyncClient(verify=_TLS_CONTEXT, timeout=httpx.Timeout(2.0, connect=1.0)) as client:
         with trio.move_on_after(timeout):
             while True:
                 try:
@@ -76,7 +82,7 @@ async def init_envd(
     if default_workdir:
         body["defaultWorkdir"] = default_workdir
     headers = {"X-Access-Token": previous_token} if previous_token else {}
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(verify=_TLS_CONTEXT, timeout=timeout) as client:
         # right after a restore the guest may need a moment to answer on its (re-attached) NIC
         delay = 0.05
         deadline = trio.current_time() + connect_grace_s
@@ -97,7 +103,7 @@ async def init_envd(
 
 async def envd_metrics(host: str, *, access_token: str | None, timeout: float = 10.0) -> dict[str, object]:
     """envd's ``/metrics`` document (CPU, memory and disk use of the guest)."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(verify=_TLS_CONTEXT, timeout=timeout) as client:
         try:
             r = await client.get(_url(host, "/metrics"), headers={"X-Access-Token": access_token or ""})
             doc = r.json()
@@ -113,7 +119,7 @@ async def quiesce_guest(host: str, *, access_token: str | None, sandbox_id: str,
     """Ask envd to sync and freeze the guest's root filesystem before a pause's capture (``guest/quiesce.py``); True
     if it froze. Never raises: a guest that cannot (an older envd, a filesystem that does not freeze, no answer
     in ``timeout``) is captured as it is, and the log says why."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(verify=_TLS_CONTEXT, timeout=timeout) as client:
         try:
             r = await client.post(_url(host, "/quiesce"), headers={"X-Access-Token": access_token or ""})
             doc = r.json() if r.status_code == 200 else {"reason": f"HTTP {r.status_code}"}
@@ -129,7 +135,7 @@ async def quiesce_guest(host: str, *, access_token: str | None, sandbox_id: str,
 async def thaw_guest(host: str, *, access_token: str | None, sandbox_id: str, timeout: float = 10.0) -> None:
     """Thaw what :func:`quiesce_guest` froze, for a pause whose capture failed (its guest runs on). Never raises:
     envd thaws by itself a little later if this does not reach it."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(verify=_TLS_CONTEXT, timeout=timeout) as client:
         try:
             r = await client.post(_url(host, "/thaw"), headers={"X-Access-Token": access_token or ""})
             if r.status_code != 200:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["SnapshotError", "SnapshotNotFound", "SandboxConflict", "ForkLimit", "StateDiskFull"]
+__all__ = ["SnapshotError", "SnapshotNotFound", "SandboxConflict", "SandboxMovedAway", "ForkLimit", "StateDiskFull"]
 
 
 class SnapshotError(Exception):
@@ -15,6 +15,16 @@ class SnapshotNotFound(SnapshotError):
 
 class SandboxConflict(SnapshotError):
     """The sandbox is not in a state that allows the operation (e.g. pausing a paused one)."""
+
+
+class SandboxMovedAway(SnapshotError):
+    """Another node took over a sandbox this node still runs (it thought this node dead): this copy must stop,
+    and leave the sandbox's record to the node that holds it."""
+
+    def __init__(self, sandbox_id: str, owner: str) -> None:
+        super().__init__(f"sandbox {sandbox_id} was taken over by node {owner}: this node's copy stops")
+        self.sandbox_id = sandbox_id
+        self.owner = owner
 
 
 class ForkLimit(SnapshotError):

@@ -235,6 +235,15 @@ def _newest_mtime(path: Path) -> float:
     return newest
 
 
+def _entries(directory: Path) -> list[os.DirEntry[str]]:
+    """The entries of ``directory`` by name (none if it is not a directory)."""
+    try:
+        with os.scandir(directory) as it:
+            return sorted(it, key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _inside(path: Path, root: Path) -> bool:
     try:
         path.resolve().relative_to(root.resolve())
@@ -434,31 +443,33 @@ class GarbageCollector:
             out.orphans.append(str(p))
             out.files.append(p)
 
-        if self.layers_dir.is_dir():
-            for p in sorted(self.layers_dir.iterdir()):
-                n = p.name
-                if not p.is_file() or p.is_symlink():
-                    continue
-                if _is_temporary(n) or (n not in known_layers and not young(p)):
-                    orphan(p)
-        if self.snapshots_dir.is_dir():
-            for p in sorted(self.snapshots_dir.iterdir()):
-                n = p.name
-                if p.is_symlink():
-                    continue
-                if _is_temporary(n):
-                    orphan(p)
-                    continue
-                status = snaps.get(n)
-                if status is not None and status != "collected":
-                    if p.is_dir():  # a committed snapshot's materialization a crash cut
-                        for f in sorted(p.iterdir()):
-                            if _is_temporary(f.name) and not f.is_symlink():
-                                orphan(f)
-                    continue
-                if status is None and young(p):
-                    continue  # unknown and recent: perhaps a capture or an import in progress
+        # directory entries carry their type: tens of thousands of layer files and snapshot directories on a
+        # node with 10,000 paused sandboxes are told apart without a stat each (bench/fleet_state.py)
+        for e in _entries(self.layers_dir):
+            n = e.name
+            if not e.is_file(follow_symlinks=False):
+                continue
+            p = Path(e.path)
+            if _is_temporary(n) or (n not in known_layers and not young(p)):
                 orphan(p)
+        for e in _entries(self.snapshots_dir):
+            n = e.name
+            p = Path(e.path)
+            if e.is_symlink():
+                continue
+            if _is_temporary(n):
+                orphan(p)
+                continue
+            status = snaps.get(n)
+            if status is not None and status != "collected":
+                if e.is_dir(follow_symlinks=False):  # a committed snapshot's materialization a crash cut
+                    for f in _entries(p):
+                        if _is_temporary(f.name) and not f.is_symlink():
+                            orphan(Path(f.path))
+                continue
+            if status is None and young(p):
+                continue  # unknown and recent: perhaps a capture or an import in progress
+            orphan(p)
         if out.empty:
             return out
         out.bytes_freed = sum(_allocated(p) for p in out.files)

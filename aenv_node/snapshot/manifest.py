@@ -73,7 +73,8 @@ class SnapshotManifest(LayerManifest):
     env_vars: dict[str, str] = Field(default_factory=dict)
     default_user: Optional[str] = None
     default_workdir: Optional[str] = None
-    sandbox: SandboxRecord
+    #: the sandbox the snapshot is of (None: a template's boot snapshot, which no sandbox ran)
+    sandbox: Optional[SandboxRecord] = None
 
     @property
     def vmstate(self) -> bytes:

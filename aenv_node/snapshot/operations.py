@@ -57,7 +57,15 @@ from .compaction import compact_snapshot
 from .envd import quiesce_guest, thaw_guest
 from .errors import ForkLimit, SandboxConflict
 from .gc import GarbageCollector
-from .publish import claim_for_resume, publish_snapshot, release_claim, retry_unsettled, unpublished_pauses
+from .publish import (
+    OwnerDead,
+    claim_for_resume,
+    publish_checkpoint,
+    publish_snapshot,
+    release_claim,
+    retry_unsettled,
+    unpublished_pauses,
+)
 from .source import SnapshotSource
 from .store import SnapshotStore
 
@@ -145,6 +153,9 @@ class SnapshotOperations:
         self._after_pause_send, self._after_pause_recv = trio.open_memory_channel[tuple[str, str]](math.inf)
         #: how often pauses whose publish failed are published again (0: only at the next start)
         self.publish_retry_s = publish_retry_s
+        #: whether another node (an ownership record's owner) is dead, so that a sandbox it ran may be taken over
+        #: from its checkpoint; None (a lone node): never (set by the node's cluster client when it joins one)
+        self.owner_dead: Optional[OwnerDead] = None
         #: pause snapshots queued or being published (``wait_published``; the retry skips them)
         self._queued: set[str] = set()
         self._published = trio.Event()
@@ -335,6 +346,12 @@ class SnapshotOperations:
         sid = handle.sandbox_id
         await self.db.run(lambda s: SnapshotStore.retire_older_periodic(s, sid, keep=snap))
         self.gc.request("periodic_retire")
+        if self.owner_dead is not None:
+            # in a cluster, in the repository too, as the sandbox's checkpoint: another node resumes it from
+            # there if this one dies (``SandboxMovedAway`` if one already did); a lone node has no one to hand
+            # it to, and its own restart uses the local snapshot
+            await publish_checkpoint(self.db, self.repo, self.store.layers_dir, snap, sid, owner=self.owner,
+                                     pointer_lock=self.resume_lock(sid))
         return snap
 
     async def pause(self, sandbox_id: str, *, reason: str = "pause") -> None:
@@ -453,7 +470,7 @@ class SnapshotOperations:
             # paused here or on another node sharing the repository: this node claims it first
             try:
                 claim = await claim_for_resume(self.db, self.repo, self.store.snapshots_dir, sandbox_id,
-                                               self.node_id, self.owner)
+                                               self.node_id, self.owner, self.owner_dead)
             except OwnershipConflict as exc:
                 raise SandboxConflict(str(exc)) from None
             if claim is not None and claim.imported and known:

@@ -1,4 +1,4 @@
-"""Snapshots in the shared repository: publish after a pause, import on another node.
+"""Snapshots in the shared repository: publish after a pause (and as checkpoints), import on another node.
 
 A node keeps what it needs locally (layer files, each snapshot's flat memory
 image). For a sandbox to outlive its node, every pause is also **published**
@@ -40,6 +40,13 @@ owner runs it) and a generation, all changed by compare-and-swap:
   row again after the write: if it was killed meanwhile the record is removed
   (the kill removes it too if it came after the write), so no pointer
   survives a kill;
+* checkpoint (``publish_checkpoint``, after each periodic snapshot) commits
+  the snapshot and points the record at it while it stays ``running`` here,
+  only if the record is absent or this node's; a record another node holds
+  means that node took the sandbox over (``SandboxMovedAway``: this copy
+  stops). A resume elsewhere takes over a sandbox ``running`` on a node the
+  cluster's scheduler counts dead (``owner_dead``), from that checkpoint: the
+  compare-and-swap against the exact record read keeps it to one taker;
 * kill (``forget_published``) deletes the record only if this node owns it;
   ``settle_record`` does the same after a sandbox ended here without a
   kill (VMM died, node shut down), so no record says it still runs here.
@@ -55,9 +62,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncContextManager, Optional
 
 import trio
@@ -82,11 +91,14 @@ from ..state import (
 from ..state.repository import insert_sandbox, record_event, update_sandbox
 from ..storage import LayerRef, import_raw
 from ..storage.repository.base import CAS_RETRIES, Ownership, Repository, layer_key
+from ..storage.repository.ownership import OWNER_RUNNING
 from ..storage.repository.errors import ManifestCorrupt, OwnershipChanged, OwnershipConflict, OwnershipLost
+from .errors import SandboxMovedAway
 from .layers import record_stack, ref_of, stack_of
 from .manifest import DiskLayerRef, SandboxRecord, SnapshotManifest
 
-__all__ = ["publish_snapshot", "import_sandbox", "owner_id", "Claim", "claim_for_resume", "release_claim",
+__all__ = ["publish_snapshot", "publish_checkpoint", "upload_snapshot", "published_event", "fetch_snapshot",
+           "write_vmstate", "record_published_snapshot", "OwnerDead", "import_sandbox", "owner_id", "Claim", "claim_for_resume", "release_claim",
            "forget_published", "settle_record", "unpublished_pauses", "record_unsettled", "unsettled_records",
            "retry_unsettled"]
 
@@ -136,30 +148,29 @@ async def _memory_base_layer(db: Database, layers_dir: Path, memory_base: str) -
     return LayerRef.local(info.path, digest)
 
 
-async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, snapshot_id: str,
-                           sandbox_id: str, *, owner: str,
-                           pointer_lock: Optional[AsyncContextManager[Any]] = None) -> dict[str, Any]:
-    """Commit one snapshot, then point the sandbox's record at it (``paused``, owned by ``owner``); returns
-    the commit summary (``pointer``: written | superseded | killed | moved).
-
-    ``pointer_lock`` is held around the record update: the caller's per-sandbox lock that resume holds too,
-    so "the row is still paused at this snapshot" stays true until the record says so."""
+async def upload_snapshot(db: Database, repo: Repository, layers_dir: Path, snapshot_id: str,
+                          sandbox_id: Optional[str]) -> dict[str, Any]:
+    """Upload the snapshot's layers and write its manifest (``Repository.commit_snapshot``: atomic); the summary
+    of what went up. ``sandbox_id`` None: a template's boot snapshot (no sandbox ran it)."""
     t0 = time.monotonic()
 
-    def gather(s: Session) -> tuple[Snapshot, Sandbox, list[Layer], list[Layer]]:
+    def gather(s: Session) -> tuple[Snapshot, Optional[Sandbox], list[Layer], list[Layer]]:
         sn = s.get(Snapshot, snapshot_id)
-        sb = s.get(Sandbox, sandbox_id)
-        if sn is None or sb is None or sn.config is None:
-            raise OwnershipLost(sandbox_id)
+        sb = s.get(Sandbox, sandbox_id) if sandbox_id is not None else None
+        if sn is None or sn.config is None or (sandbox_id is not None and sb is None):
+            raise OwnershipLost(sandbox_id or snapshot_id)
         return sn, sb, stack_of(s, snapshot_id, LayerKind.DISK), stack_of(s, snapshot_id, LayerKind.MEMORY)
 
     sn, sb, disk, memory = await db.run(gather)
     assert sn.config is not None
     layer_paths = {l.digest: l.local_path for l in disk + memory if l.local_path}
     memory_chain = [l.digest for l in memory]
-    if sn.memory_base_location:
-        # a chain over a template's RAM file: that file goes up as the chain's bottom layer
-        base = await _memory_base_layer(db, layers_dir, sn.memory_base_location)
+    # a chain over a template's RAM file (or a boot snapshot's own RAM file): that file goes up as the chain's
+    # bottom layer
+    ram_file = sn.memory_base_location or (sn.memory_location if sn.kind == SnapshotKind.BOOT and not memory
+                                           else None)
+    if ram_file:
+        base = await _memory_base_layer(db, layers_dir, ram_file)
         memory_chain.insert(0, base.digest)
         if base.path is not None:
             layer_paths[base.digest] = str(base.path)
@@ -173,7 +184,7 @@ async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, sna
                      for l in disk],
         memory_layers=memory_chain, memory_mb=sn.memory_mb, access_token=sn.config.access_token,
         env_vars=dict(sn.config.env_vars), default_user=sn.config.default_user,
-        default_workdir=sn.config.default_workdir, sandbox=SandboxRecord.of(sb))
+        default_workdir=sn.config.default_workdir, sandbox=SandboxRecord.of(sb) if sb is not None else None)
 
     result = await trio.to_thread.run_sync(
         lambda: repo.commit_snapshot(sn.id, manifest.model_dump(mode="json"), layer_paths, require=require))
@@ -186,14 +197,68 @@ async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, sna
                       .values(repository_key=layer_key(digest)))
 
     await db.run(mark_stored)
-    async with (pointer_lock or contextlib.nullcontext()):
-        pointer, generation = await _publish_pointer(db, repo, sandbox_id, sn.id, owner)
-    summary: dict[str, Any] = {"uploaded": len(result.uploaded), "already_present": len(result.already_present),
-                               "ms": round((time.monotonic() - t0) * 1000, 1), "pointer": pointer,
-                               "generation": generation}
+    return {"uploaded": len(result.uploaded), "already_present": len(result.already_present),
+            "ms": round((time.monotonic() - t0) * 1000, 1)}
+
+
+async def published_event(db: Database, sandbox_id: str, snapshot_id: str, summary: dict[str, Any]) -> None:
     await db.run(lambda s: record_event(s, "snapshot_publish", sandbox_id=sandbox_id,
-                                        subject=EventSubject.SNAPSHOT, subject_id=sn.id,
+                                        subject=EventSubject.SNAPSHOT, subject_id=snapshot_id,
                                         duration_ms=summary["ms"], detail=summary))
+
+
+async def publish_snapshot(db: Database, repo: Repository, layers_dir: Path, snapshot_id: str,
+                           sandbox_id: str, *, owner: str,
+                           pointer_lock: Optional[AsyncContextManager[Any]] = None) -> dict[str, Any]:
+    """Commit one snapshot, then point the sandbox's record at it (``paused``, owned by ``owner``); returns
+    the commit summary (``pointer``: written | superseded | killed | moved).
+
+    ``pointer_lock`` is held around the record update: the caller's per-sandbox lock that resume holds too,
+    so "the row is still paused at this snapshot" stays true until the record says so."""
+    t0 = time.monotonic()
+    summary = await upload_snapshot(db, repo, layers_dir, snapshot_id, sandbox_id)
+    async with (pointer_lock or contextlib.nullcontext()):
+        pointer, generation = await _publish_pointer(db, repo, sandbox_id, snapshot_id, owner)
+    summary.update(pointer=pointer, generation=generation, ms=round((time.monotonic() - t0) * 1000, 1))
+    await published_event(db, sandbox_id, snapshot_id, summary)
+    return summary
+
+
+async def publish_checkpoint(db: Database, repo: Repository, layers_dir: Path, snapshot_id: str,
+                             sandbox_id: str, *, owner: str,
+                             pointer_lock: Optional[AsyncContextManager[Any]] = None) -> dict[str, Any]:
+    """Publish a running sandbox's periodic snapshot and point its record at it, still ``running`` here: if
+    this node dies, another node of the cluster resumes the sandbox from it (what ran after it is lost: the
+    period bounds the loss). ``SandboxMovedAway`` if another node holds the record (it took the sandbox over
+    while this node was thought dead: this copy must stop).
+
+    The record is written under ``pointer_lock`` (the lock a pause's publish holds) and only while the row
+    still says running: a pause that came meanwhile publishes ``paused``, which a late checkpoint must not undo."""
+    t0 = time.monotonic()
+    summary = await upload_snapshot(db, repo, layers_dir, snapshot_id, sandbox_id)
+
+    def running(s: Session) -> bool:
+        sb = s.get(Sandbox, sandbox_id)
+        return sb is not None and sb.state == SandboxState.RUNNING
+
+    async with (pointer_lock or contextlib.nullcontext()):
+        if not await db.run(running):
+            summary.update(pointer="superseded", ms=round((time.monotonic() - t0) * 1000, 1))
+            await published_event(db, sandbox_id, snapshot_id, summary)
+            return summary
+        try:
+            rec = await trio.to_thread.run_sync(lambda: repo.checkpoint_sandbox(sandbox_id, owner, snapshot_id))
+        except OwnershipConflict as exc:
+            raise SandboxMovedAway(sandbox_id, exc.owner) from None
+
+    def mark(s: Session) -> None:
+        sn = s.get(Snapshot, snapshot_id)
+        if sn is not None:
+            sn.published = True
+
+    await db.run(mark)
+    summary.update(pointer="checkpoint", generation=rec.generation, ms=round((time.monotonic() - t0) * 1000, 1))
+    await published_event(db, sandbox_id, snapshot_id, summary)
     return summary
 
 
@@ -287,45 +352,73 @@ async def _fetch_snapshot(repo: Repository, snapshot_id: str) -> SnapshotManifes
         raise ManifestCorrupt(snapshot_id, str(exc).splitlines()[0]) from exc
 
 
+def record_published_snapshot(s: Session, manifest: SnapshotManifest, snap_dir: Path) -> None:
+    """The rows of a snapshot another node published (its vmstate written to ``snap_dir`` already): its layers as
+    repository-only references (read on demand through the cache), the snapshot, its stacks; nothing if known."""
+    snap_id = manifest.snapshot_id
+
+    def known(digest: str) -> bool:
+        """Whether the layer has a row here already; a row whose file this node's collector removed (rows
+        outlive their files) is pointed at the repository again."""
+        row = s.get(Layer, digest)
+        if row is not None and row.local_path and not os.path.exists(row.local_path):
+            row.local_path, row.repository_key = None, layer_key(digest)
+        return row is not None
+
+    for l in manifest.disk_layers:
+        if not known(l.digest):
+            s.add(Layer(digest=l.digest, kind=LayerKind.DISK, size_bytes=l.size,
+                        virtual_size_bytes=l.virtual_size, local_path=None, repository_key=layer_key(l.digest),
+                        refcount=1))
+    for d in manifest.memory_layers:
+        if not known(d):
+            s.add(Layer(digest=d, kind=LayerKind.MEMORY, size_bytes=0, local_path=None,
+                        repository_key=layer_key(d), refcount=1))
+    if s.get(Snapshot, snap_id) is None:
+        s.add(Snapshot(
+            id=snap_id, kind=SnapshotKind(manifest.kind), status=SnapshotStatus.COMMITTED, parent_id=None,
+            source_sandbox_id=manifest.source_sandbox_id, template_id=manifest.template_id,
+            vmm=manifest.vmm, vmstate_location=str(snap_dir / "vmstate"), vmstate_format=manifest.format,
+            memory_location=str(snap_dir / "memory"), memory_base_location=None, memory_from_layers=True,
+            imported_parent_id=manifest.parent_id, published=True,
+            config=SnapshotConfig(shape=manifest.shape, access_token=manifest.access_token,
+                                  env_vars=dict(manifest.env_vars), default_user=manifest.default_user,
+                                  default_workdir=manifest.default_workdir),
+            memory_mb=manifest.memory_mb, committed_at=utcnow()))
+        s.flush()
+        record_stack(s, snap_id, [LayerRef.remote(l.digest) for l in manifest.disk_layers],
+                     manifest.memory_layers)
+
+
+async def write_vmstate(snapshots_dir: Path, manifest: SnapshotManifest) -> Path:
+    """The directory of an imported snapshot, with its device state written there."""
+    snap_dir = snapshots_dir / manifest.snapshot_id
+    snap_dir.mkdir(parents=True, exist_ok=True)
+    await trio.to_thread.run_sync((snap_dir / "vmstate").write_bytes, manifest.vmstate)
+    return snap_dir
+
+
+async def fetch_snapshot(repo: Repository, snapshot_id: str) -> SnapshotManifest:
+    """A published snapshot's manifest (``ManifestCorrupt`` if it is not one)."""
+    return await _fetch_snapshot(repo, snapshot_id)
+
+
 async def _record_import(db: Database, snapshots_dir: Path, sandbox_id: str, node_id: str,
                          manifest: SnapshotManifest, *, replace: bool) -> None:
     """Record a published snapshot (its layers as repository-only references) and point the sandbox at it: a
     new row (``replace=False``; nothing if one exists) or, for a newer snapshot of a sandbox known here, the
     existing paused row, with the settings the other node had."""
     snap_id = manifest.snapshot_id
-    snap_dir = snapshots_dir / snap_id
-    snap_dir.mkdir(parents=True, exist_ok=True)
-    vmstate = snap_dir / "vmstate"
-    await trio.to_thread.run_sync(vmstate.write_bytes, manifest.vmstate)
+    snap_dir = await write_vmstate(snapshots_dir, manifest)
     info = manifest.sandbox
+    if info is None:
+        raise ManifestCorrupt(snap_id, "a sandbox's snapshot names no sandbox")
 
     def record(s: Session) -> None:
         existing = s.get(Sandbox, sandbox_id)
         if existing is not None and not replace:
             return
-        for l in manifest.disk_layers:
-            if s.get(Layer, l.digest) is None:
-                s.add(Layer(digest=l.digest, kind=LayerKind.DISK, size_bytes=l.size,
-                            virtual_size_bytes=l.virtual_size, local_path=None, repository_key=layer_key(l.digest),
-                            refcount=1))
-        for d in manifest.memory_layers:
-            if s.get(Layer, d) is None:
-                s.add(Layer(digest=d, kind=LayerKind.MEMORY, size_bytes=0, local_path=None,
-                            repository_key=layer_key(d), refcount=1))
-        if s.get(Snapshot, snap_id) is None:
-            s.add(Snapshot(
-                id=snap_id, kind=SnapshotKind(manifest.kind), status=SnapshotStatus.COMMITTED, parent_id=None,
-                source_sandbox_id=manifest.source_sandbox_id, template_id=manifest.template_id,
-                vmm=manifest.vmm, vmstate_location=str(vmstate), vmstate_format=manifest.format,
-                memory_location=str(snap_dir / "memory"), memory_base_location=None, memory_from_layers=True,
-                imported_parent_id=manifest.parent_id, published=True,
-                config=SnapshotConfig(shape=manifest.shape, access_token=manifest.access_token,
-                                      env_vars=dict(manifest.env_vars), default_user=manifest.default_user,
-                                      default_workdir=manifest.default_workdir),
-                memory_mb=manifest.memory_mb, committed_at=utcnow()))
-            s.flush()
-            record_stack(s, snap_id, [LayerRef.remote(l.digest) for l in manifest.disk_layers],
-                         manifest.memory_layers)
+        record_published_snapshot(s, manifest, snap_dir)
         if existing is not None:
             update_sandbox(
                 s, sandbox_id, operation="import",
@@ -373,14 +466,21 @@ class Claim:
     previous: Optional[Ownership]
     imported: Optional[str] = None
 
+#: ``await owner_dead(owner)``: whether the node named by an ownership record's ``owner`` is known to be dead
+#: (the cluster's scheduler missed its heartbeats for its TTL); the node's cluster client answers it
+OwnerDead = Callable[[str], Awaitable[bool]]
+
+
 async def claim_for_resume(db: Database, repo: Repository, snapshots_dir: Path, sandbox_id: str,
-                           node_id: str, owner: str) -> Optional[Claim]:
+                           node_id: str, owner: str, owner_dead: Optional[OwnerDead] = None) -> Optional[Claim]:
     """Claim a paused sandbox for this node before restoring it; None if neither this node nor the
     repository knows it.
 
     The caller has checked that a local row, if any, is paused.  Raises ``OwnershipConflict`` if another
     node runs it, ``OwnershipLost`` if it was killed elsewhere; imports the snapshot first when the record
-    names one another node published (a sandbox unknown here, or a local copy that is stale).  Every claim
+    names one another node published (a sandbox unknown here, or a local copy that is stale).  A sandbox
+    running on a node that ``owner_dead`` says is dead is taken over from the last snapshot that node published
+    (a periodic snapshot, a checkpoint): what ran after it is lost, the rest resumes here.  Every claim
     swaps against exactly the record that was read and judged, so a concurrent claim elsewhere either lands
     first (seen on the next round) or fails.
     """
@@ -393,8 +493,14 @@ async def claim_for_resume(db: Database, repo: Repository, snapshots_dir: Path, 
 
     for _ in range(CAS_RETRIES):
         rec = await trio.to_thread.run_sync(repo.get_ownership, sandbox_id)
+        dead_owner: Optional[str] = None
         if rec is not None and rec.held_by_other(owner):
-            raise OwnershipConflict(sandbox_id, rec.owner, rec.state, "resume")
+            if not (rec.state == OWNER_RUNNING and rec.snapshot_id and owner_dead is not None
+                    and await owner_dead(rec.owner)):
+                raise OwnershipConflict(sandbox_id, rec.owner, rec.state, "resume")
+            dead_owner = rec.owner
+            log.warning("sandbox %s runs on node %s, which is dead: taking it over from its checkpoint %s",
+                        sandbox_id, rec.owner, rec.snapshot_id)
         mine = await db.run(local)
         imported = None
         if mine is None:
@@ -412,13 +518,15 @@ async def claim_for_resume(db: Database, repo: Repository, snapshots_dir: Path, 
                                  await _fetch_snapshot(repo, rec.snapshot_id), replace=True)
             imported = rec.snapshot_id
         try:
-            claimed = await trio.to_thread.run_sync(lambda: repo.claim_sandbox(sandbox_id, owner, expect=rec))
+            claimed = await trio.to_thread.run_sync(lambda: repo.claim_sandbox(sandbox_id, owner, expect=rec,
+                                                                               take_over_from=dead_owner))
         except OwnershipChanged:
             continue  # someone wrote it since it was read: judge it again
         await db.run(lambda s: record_event(
             s, "ownership_claim", sandbox_id=sandbox_id, subject=EventSubject.SANDBOX, subject_id=sandbox_id,
             detail={"owner": owner, "generation": claimed.generation, "snapshot_id": claimed.snapshot_id,
-                    "previous_owner": rec.owner if rec is not None else None, "imported": imported}))
+                    "previous_owner": rec.owner if rec is not None else None, "imported": imported,
+                    **({"taken_over_from": dead_owner} if dead_owner else {})}))
         return Claim(claimed, rec, imported)
     raise OwnershipChanged(sandbox_id, f"lost {CAS_RETRIES} claims in a row to other writers")
 

@@ -260,6 +260,8 @@ class TemplateTag(Base):
 
 class Sandbox(Base):
     __tablename__ = "sandboxes"
+    #: the order (and keyset) of ``GET /v2/sandboxes``: a page reads from the index, it sorts nothing
+    __table_args__ = (Index("ix_sandboxes_started_at_id", "started_at", "id"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     template_id: Mapped[str] = mapped_column(String(64), index=True)
@@ -327,7 +329,7 @@ class Snapshot(Base):
     #: layers stand alone (a boot snapshot's own memory, an imported chain)
     memory_base_location: Mapped[Optional[str]] = mapped_column(Text)
     #: boot snapshots: their RAM image imported as a layer (published as the bottom of memory chains)
-    memory_base_layer: Mapped[Optional[str]] = mapped_column(String(71))
+    memory_base_layer: Mapped[Optional[str]] = mapped_column(String(71), index=True)  # gc.py's refcount looks it up
     #: imported: ``memory_location`` is materialized from the memory layers on first use
     memory_from_layers: Mapped[bool] = mapped_column(Boolean, default=False)
     #: committed to the shared repository (the sandbox's record points at it)

@@ -95,19 +95,20 @@ class ClusterProcess:
 SchedulerProcess = GatewayProcess = ClusterProcess
 
 
-def _start(tmp: Path, command: str, api_key: str, extra: tuple[str, ...], port: int = 0) -> ClusterProcess:
-    """``aenv-node COMMAND --listen 127.0.0.1:PORT --api-key-file F *extra``, once it answers ``/health``."""
+def _start(tmp: Path, command: str, api_key: str, extra: tuple[str, ...], port: int = 0,
+           host: str = "127.0.0.1") -> ClusterProcess:
+    """``aenv-node COMMAND --listen HOST:PORT --api-key-file F *extra``, once it answers ``/health``."""
     tmp.mkdir(parents=True, exist_ok=True)
     key_file = tmp / "api-key"
     key_file.write_text(api_key)
     port = port or free_port()
     log_path = tmp / f"{command}-{port}.log"
-    args = [sys.executable, "-m", "aenv_node.cli.node", command, "--listen", f"127.0.0.1:{port}",
+    args = [sys.executable, "-m", "aenv_node.cli.node", command, "--listen", f"{host}:{port}",
             "--api-key-file", str(key_file), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_")}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    started = ClusterProcess(f"http://127.0.0.1:{port}", api_key, proc, log_path, args)
+    started = ClusterProcess(f"http://{host}:{port}", api_key, proc, log_path, args)
     deadline = time.monotonic() + 30
     while True:
         if proc.poll() is not None:
@@ -123,8 +124,9 @@ def _start(tmp: Path, command: str, api_key: str, extra: tuple[str, ...], port: 
         time.sleep(0.05)
 
 
-def start_scheduler(tmp: Path, redis_url: str, api_key: str, *extra: str, port: int = 0) -> ClusterProcess:
-    return _start(tmp, "scheduler", api_key, ("--redis", redis_url, *extra), port)
+def start_scheduler(tmp: Path, redis_url: str, api_key: str, *extra: str, port: int = 0,
+                    host: str = "127.0.0.1") -> ClusterProcess:
+    return _start(tmp, "scheduler", api_key, ("--redis", redis_url, *extra), port, host)
 
 
 def start_gateway(tmp: Path, scheduler_url: str, api_key: str, *extra: str) -> ClusterProcess:

@@ -87,6 +87,10 @@ def test_kubernetes_manifests_are_valid_and_run_real_commands() -> None:
     pod = node["spec"]["template"]["spec"]
     assert pod["containers"][0]["securityContext"]["privileged"] is True
     assert pod["terminationGracePeriodSeconds"] >= 600  # a stop pauses and publishes every sandbox first
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[:2] == ["aenv-node", "drain"], pre_stop
+    _parses(pre_stop[1:])  # the drain the hook runs, within the grace period
+    assert float(pre_stop[pre_stop.index("--timeout") + 1]) < pod["terminationGracePeriodSeconds"]
     assert load_config(path=DEPLOY / "k8s" / "config.toml", environ={}).node.pause_on_stop
 
 
@@ -106,13 +110,42 @@ def test_compose_runs_real_commands() -> None:
 
 
 @pytest.mark.slow
+def _image_build() -> tuple[list[str], list[str]]:
+    """What image/Dockerfile builds with: the sources it copies, and the installer's roles (its one RUN)."""
+    lines = (REPO / "image" / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+    copied = [src for line in lines if line.startswith("COPY ") for src in line.split()[1:-1]]
+    runs = [line for line in lines if line.startswith("RUN ")]
+    assert len(runs) == 1 and "deploy/systemd/install.sh" in runs[0], runs
+    words = runs[0].split("&&")[0].split()
+    assert "--no-start" in words, words  # an image starts nothing while it is built
+    roles = [w for w in words if w in ("node", "scheduler", "gateway", "redis")]
+    return copied, roles
+
+
+def test_the_image_is_built_by_the_installer_from_files_that_exist() -> None:
+    copied, roles = _image_build()
+    for src in copied:
+        assert (REPO / src).exists(), f"image/Dockerfile copies {src}, which is not in the repository"
+    # the installer reads its steps from what the image copies
+    assert {"deploy", "scripts", "aenv_node", "pyproject.toml"} <= set(copied), copied
+    assert sorted(roles) == ["gateway", "node", "redis", "scheduler"]  # one image runs every piece
+
+
 def test_systemd_install_script_installs_units_that_run(tmp_path: Path) -> None:
+    """The installer with the image's roles (the node's kit, rootfs and Firecracker steps are no-ops where the
+    development set-up made them already: they are cached by content hash and checked by sha256)."""
     prefix, etc, units = tmp_path / "opt", tmp_path / "etc", tmp_path / "units"
+    _copied, roles = _image_build()
     r = subprocess.run([str(DEPLOY / "systemd" / "install.sh"), "--prefix", str(prefix), "--etc", str(etc),
-                        "--unit-dir", str(units), "--no-start", "scheduler", "gateway"],
+                        "--unit-dir", str(units), "--no-start", *roles],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(p.name for p in units.iterdir()) == ["aenv-gateway.service", "aenv-scheduler.service"]
+    assert sorted(p.name for p in units.iterdir()) == ["aenv-gateway.service", "aenv-node.service",
+                                                        "aenv-scheduler.service"]
+    # a node's pieces: the venv's CLI, the seccomp helper beside it, Firecracker and its jailer
+    for tool in ("aenv-node", "aenv-seccomp-exec"):
+        assert os.access(prefix / "venv" / "bin" / tool, os.X_OK), tool
+    assert all(os.access(Path("/opt/aenv/bin") / b, os.X_OK) for b in ("firecracker", "jailer"))
     assert (etc / "cluster.env").stat().st_mode & 0o077 == 0
     key = (etc / "cluster.env").read_text().strip().split("=", 1)[1]
     assert len(key) == 48

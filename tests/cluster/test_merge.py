@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 from aenv_node.api.handlers.sandboxes import decode_token, encode_token
 from aenv_node.cluster.merge import (
     SandboxPage,
+    listed_twice,
     merge_running,
     merge_sandbox_pages,
     merge_snapshots,
     merge_templates,
     page_templates,
     started_key,
+    without_stale,
 )
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
@@ -94,3 +96,45 @@ def test_running_snapshots_and_templates_merge_once_each() -> None:
     assert [t["templateID"] for t in page_templates(merged, limit=1, after="base")] == ["web"]
     assert [t["templateID"] for t in page_templates(merged, limit=5, after=None)] == ["base", "web", "app"]
     assert page_templates(merged, limit=5, after="gone") == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(spread=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(0, 4)), max_size=30),
+       limit=st.integers(1, 5), descending=st.booleans())
+def test_a_moved_sandbox_still_listed_by_the_node_it_left_is_paged_once_from_its_home(
+        spread: list[tuple[int, int, int]], limit: int, descending: bool) -> None:
+    """A sandbox that moved is listed by its new node and, stale, by the node it left (which did not learn of
+    the move): the gateway drops the stale listing (its binding names the other node), and paging still gives
+    every sandbox exactly once, also when a node's whole page was stale, or the sandbox's new node did not
+    answer (its only listing is the stale one, which goes)."""
+    nodes: list[list[dict[str, str]]] = [[], [], []]
+    home: dict[str, str | None] = {}
+    gone: set[str] = set()
+    for n, (node, micros, stale_on) in enumerate(spread):
+        sb = _sandbox(f"sb{n:03d}", micros)
+        nodes[node].append(sb)
+        if stale_on < 3 and stale_on != node:  # it moved here from ``stale_on``, which still lists it
+            nodes[stale_on].append(dict(sb))
+            home[sb["sandboxID"]] = f"n{node}"
+        elif stale_on == 4:  # it moved from ``node`` to a node missing from this listing
+            nodes[(node + 1) % 3].append(dict(sb))
+            home[sb["sandboxID"]] = "n9"
+            gone.add(sb["sandboxID"])
+    seen: list[dict[str, str]] = []
+    token: str | None = None
+    for _ in range(2 * len(spread) + 2):
+        answers = [(f"n{i}", _node_page(items, token, limit, descending)) for i, items in enumerate(nodes)]
+        twice = listed_twice((node_id, page.items) for node_id, page in answers)
+        assert twice <= set(home)
+        pages = [SandboxPage(without_stale(page.items, node_id, {s: home[s] for s in twice}), page.more, page.last)
+                 for node_id, page in answers]
+        page, token = merge_sandbox_pages(pages, limit=limit, descending=descending)
+        assert len(page) <= limit
+        seen += page
+        if token is None:
+            break
+    else:
+        raise AssertionError("paging did not end")
+    ids = [s["sandboxID"] for s in seen]
+    assert sorted(ids) == sorted({f"sb{n:03d}" for n in range(len(spread))} - gone), ids
+    assert [started_key(s) for s in seen] == sorted((started_key(s) for s in seen), reverse=descending)

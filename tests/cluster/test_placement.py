@@ -81,6 +81,9 @@ def test_nothing_fits_says_why() -> None:
         choose_node([_view(1, alive=False), _view(2, draining=True)], req, policy, random.Random(1))
     with pytest.raises(NoCapacity, match="room for 2 vCPUs and 1024 MiB"):
         choose_node([_view(1, vcpus=1, used_vcpus=4)], req, policy, random.Random(1))
+    # the only node holding the template is full: a cold node takes it (it imports the template)
+    assert choose_node([_view(1, vcpus=1, used_vcpus=4, templates=("t",)), _view(2)], req, policy,
+                       random.Random(1)).status.node_id == "n2"
 
 
 def test_least_loaded_of_k_spreads_a_burst_and_favours_the_emptier_nodes() -> None:

@@ -78,9 +78,11 @@ def _wait_template(node: NodeProcess, template: str = "base", timeout: float = 9
 
 
 def start_node(state: Path, *, port: int | None = None, pool: str | None = None, wait_template: bool = True,
-               args: tuple[str, ...] = (), **extra_env: str) -> NodeProcess:
+               args: tuple[str, ...] = (), host: str = "127.0.0.1", prefix: tuple[str, ...] = (),
+               **extra_env: str) -> NodeProcess:
     """Start ``aenv-node serve`` on ``state`` and wait until it answers and (unless ``wait_template`` is
-    False) its base template is ready."""
+    False) its base template is ready. ``prefix``: what the command runs under (the cluster tests' hosts:
+    ``nsenter --net=...``), with the API on ``host``."""
     state.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     env = {
@@ -99,12 +101,12 @@ def start_node(state: Path, *, port: int | None = None, pool: str | None = None,
     log_path = state / f"node-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"127.0.0.1:{port}", *args],
+            [*prefix, sys.executable, "-m", "aenv_node.cli.node", "serve", "--listen", f"{host}:{port}", *args],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     _STATE_OF[proc.pid] = state
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{host}:{port}"
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, log_path.read_text()
@@ -159,6 +161,20 @@ def stop_node(proc: subprocess.Popen, *, keep_dataplane: bool = False) -> None:
                        env={**os.environ, "AENV_STATE_DIR": str(state)}, capture_output=True, timeout=120)
 
 
+def kill_running(node: NodeProcess) -> None:
+    """Kill what still runs on a node whose state directory is about to go: a stop leaves running sandboxes to
+    the data plane and their network slots to the next start, and this node has no next start (the fuzzer's
+    node ends with dozens running)."""
+    if node.proc.poll() is not None:
+        return
+    try:
+        with node.api() as c:
+            for sb in c.get("/sandboxes").json():
+                c.delete(f"/sandboxes/{sb['sandboxID']}")
+    except (httpx.HTTPError, ValueError, TypeError, KeyError):
+        pass  # a node that does not answer: the stop and the data plane's stop end what they can
+
+
 @contextlib.contextmanager
 def node_in_tmp(prefix: str, **kwargs: Any) -> Iterator[NodeProcess]:
     """A node (``start_node(state, **kwargs)``) in a fresh state directory under /var/tmp: stopped at the end and
@@ -171,6 +187,7 @@ def node_in_tmp(prefix: str, **kwargs: Any) -> Iterator[NodeProcess]:
         yield n
     finally:
         if n is not None:
+            kill_running(n)
             stop_node(n.proc)
             try:
                 shutil.copy(n.log_path, Path("/var/tmp") / f"{prefix}last-node.log")

@@ -250,6 +250,8 @@ def test_a_lost_data_plane_stops_the_node_and_the_next_start_settles_its_sandbox
     kept.files.write(MARK, f"written by {kept.sandbox_id}")
     _wait(lambda: dp.sql(f"SELECT count(*) FROM snapshots WHERE source_sandbox_id = '{kept.sandbox_id}' "
                          "AND kind = 'periodic' AND status = 'committed'")[0][0] >= 1, "no periodic snapshot")
+    # (between two periodic captures: during one the row says snapshotting)
+    _wait(lambda: kept.sandbox_id in _running(dp), "the sandbox is not running")
     vmm = _running(dp)[kept.sandbox_id]
     plane = dp.dataplane_pid()
     assert plane is not None

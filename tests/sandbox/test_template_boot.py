@@ -44,3 +44,23 @@ def test_a_hung_template_boot_is_retried_once_then_fails_cleanly() -> None:
     finally:
         stop_node(node.proc)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_node_told_not_to_build_its_templates_boots_no_vm_and_serves() -> None:
+    """``templates.build_default = false``: the node starts and serves its API with no build of ``base`` (a node
+    opened on a state for inspection, or the fleet-state bench); a create from the unbuilt template is refused in
+    E2B's error shape, not started."""
+    state = Path(tempfile.mkdtemp(prefix="aenv-nobuild-", dir="/var/tmp"))
+    node = start_node(state, wait_template=False, AENV_TEMPLATES_BUILD_DEFAULT="false")
+    try:
+        time.sleep(2)  # what a build would have started by now
+        assert node.sql("SELECT count(*) FROM template_builds") == [(0,)]
+        assert processes_mentioning(str(state)) == []  # no VMM
+        with node.api() as c:
+            assert c.get("/health").status_code == 200
+            r = c.post("/sandboxes", json={"templateID": "base"})
+            assert 400 <= r.status_code < 500 and set(r.json()) >= {"code", "message"}, r.text
+        assert node.sql("SELECT count(*) FROM sandboxes WHERE state = 'running'") == [(0,)]
+    finally:
+        stop_node(node.proc)
+        shutil.rmtree(state, ignore_errors=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from aenv_node.snapshot.publish import _publish_pointer, claim_for_resume, forget_published, settle_record
-from aenv_node.state import Database, Sandbox, SandboxState, Snapshot
+from aenv_node.state import Database, Event, Sandbox, SandboxState, Snapshot
 from aenv_node.state.repository import insert_sandbox, transition
 from aenv_node.storage.repository import OwnershipConflict, OwnershipLost, PosixFsRepository
 
@@ -97,3 +97,43 @@ async def test_settle_record_after_an_unplanned_end(tmp_path: Path) -> None:
     assert repo.get_ownership(sid).owner == "a/1"  # type: ignore[union-attr]
     assert await settle_record(db, repo, sid, "a/1") is True
     assert repo.get_ownership(sid) is None
+
+
+async def test_a_sandbox_running_on_a_dead_node_is_taken_over_from_its_checkpoint_only(tmp_path: Path) -> None:
+    """A record ``running`` on another node is taken over only when that node is known dead and the record names
+    a checkpoint to resume from; the take-over is a compare-and-swap (the first taker wins) and the dead node's
+    next checkpoint is refused."""
+    sid, snap = "itakeover00000000001", "pause-1"
+    db = _paused_sandbox_db(tmp_path, sid, snap)
+    repo = PosixFsRepository(tmp_path / "repo")
+    snapshots = tmp_path / "snapshots"
+    asked: list[str] = []
+
+    async def dead(owner: str) -> bool:
+        asked.append(owner)
+        return owner.startswith("b/")
+
+    async def alive(owner: str) -> bool:
+        return False
+
+    repo.claim_sandbox(sid, "b/2")  # b runs it and never checkpointed: nothing to resume from
+    with pytest.raises(OwnershipConflict, match="running on node b/2"):
+        await claim_for_resume(db, repo, snapshots, sid, "a", "a/1", dead)
+    assert asked == []  # no checkpoint: not even asked
+    repo.checkpoint_sandbox(sid, "b/2", snap)  # b's periodic snapshot, published
+    rec = repo.get_ownership(sid)
+    assert rec is not None and (rec.state, rec.owner, rec.snapshot_id) == ("running", "b/2", snap)
+    with pytest.raises(OwnershipConflict):  # b is alive: never two runners
+        await claim_for_resume(db, repo, snapshots, sid, "a", "a/1", alive)
+    with pytest.raises(OwnershipConflict):  # a lone node (no cluster) never takes over
+        await claim_for_resume(db, repo, snapshots, sid, "a", "a/1")
+    claim = await claim_for_resume(db, repo, snapshots, sid, "a", "a/1", dead)
+    assert claim is not None and claim.record.owner == "a/1" and claim.record.state == "running"
+    assert claim.previous is not None and claim.previous.owner == "b/2" and asked == ["b/2"]
+    with db.session() as s:
+        detail = s.query(Event).filter_by(operation="ownership_claim", sandbox_id=sid).one().detail
+    assert detail["taken_over_from"] == "b/2"
+    with pytest.raises(OwnershipConflict):  # b back (or cut off and running on): its checkpoint is refused
+        repo.checkpoint_sandbox(sid, "b/2", snap)
+    with pytest.raises(OwnershipConflict):  # nor can b take it back from a live a
+        repo.claim_sandbox(sid, "b/2", take_over_from="c/3")

@@ -12,6 +12,7 @@ from . import builds as _builds
 from . import lifecycle as _lifecycle
 from . import logs as _logs
 from . import node as _node
+from . import peers as _peers
 from . import sandboxes as _sandboxes
 from . import templates as _templates
 
@@ -22,6 +23,7 @@ HANDLERS: dict[str, Handler] = {
     **_builds.HANDLERS,
     **_lifecycle.HANDLERS,
     **_logs.HANDLERS,
+    **_peers.HANDLERS,
 }
 
 __all__ = ["HANDLERS"]

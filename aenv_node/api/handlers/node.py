@@ -13,7 +13,7 @@ from ...state import Event as EventRow
 from ...state import Sandbox as SandboxRow
 from ..context import ApiContext, Handler
 from ..metrics import CONTENT_TYPE
-from ..models import Event, Health, NodeInfo
+from ..models import Event, Health, NodeDrain, NodeInfo
 from ..query import EventsQuery
 
 
@@ -42,6 +42,11 @@ async def node_info(api: ApiContext) -> NodeInfo:
                     sandboxes=await node.db.run(work))
 
 
+async def drain_node(api: ApiContext) -> NodeDrain:
+    report = await api.sandboxes.drain()
+    return NodeDrain(paused=report.paused, running=report.running, unpublished=report.unpublished)
+
+
 async def list_events(api: ApiContext, query: EventsQuery) -> list[Event]:
     """The newest ``limit`` events, newest first; with ``after`` (an event id, the cursor of a follower), the
     ``limit`` events after it, oldest first, so that polling with the last id seen misses none."""
@@ -65,5 +70,6 @@ HANDLERS: dict[str, Handler] = {
     "metrics": metrics,
     "openapi": openapi,
     "node_info": node_info,
+    "drain_node": drain_node,
     "list_events": list_events,
 }
