@@ -8,9 +8,9 @@ envd's log records, whatever a root process writes to ``/dev/console``) becomes 
 so a flood is read at a bounded pace) and writes the complete lines in one transaction; when the sandbox stops
 it reads to the end of the file first, so the last lines before a pause or a kill are kept. Each run of a
 sandbox (create, resume, fork) has a new console file, read from its start; a run taken over after a restart of
-the node (the VMM still writing the same file) goes on from where the previous reader's last stored line ended,
-which each reader keeps beside the file (``console.log.offset``, written after the lines it covers are
-committed: a crash between the two reads at most one round's lines again, never loses one).
+the node (the VMM still writing the same file) goes on from where the previous reader's last stored line ended:
+the offset is stored in the transaction that stores those lines (``state/sandbox_logs.py``
+``store_console``), so a node killed at any point neither loses a line nor stores one twice.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import trio
 
 from ..config import LogsSection
 from ..state import Database, utcnow
-from ..state.sandbox_logs import LogLine, append_lines
+from ..state.sandbox_logs import LogLine, console_offset, store_console
 
 __all__ = ["ConsoleLog", "classify"]
 
@@ -63,24 +63,19 @@ def classify(text: str, ts: dt.datetime, previous: Optional[LogLine] = None) -> 
     return LogLine(ts, "info", "console", text)
 
 
-def _stored_offset(path: Path) -> int:
-    try:
-        return max(0, int(path.read_text()))
-    except (OSError, ValueError):
-        return 0
-
-
 class ConsoleLog:
     """Follows one console file of one sandbox run and writes its lines to the sandbox's logs."""
 
-    def __init__(self, db: Database, sandbox_id: str, path: Path, limits: LogsSection, *,
+    def __init__(self, db: Database, sandbox_id: str, path: Path, limits: LogsSection, *, vmm_pid: int,
                  taken_over: bool = False) -> None:
         self.db = db
         self.sandbox_id = sandbox_id
         self.path = path
         self.limits = limits
-        self.offset_path = path.with_name(path.name + ".offset")
-        self.offset = _stored_offset(self.offset_path) if taken_over else 0
+        # the run: its console file and the VMM writing it (a resume writes a new file at the same path)
+        self.run_name = f"{path}@{vmm_pid}"
+        self.taken_over = taken_over
+        self.offset: Optional[int] = None  # where the next read starts; a taken-over run's is read first
         self.partial = b""
         self.previous: Optional[LogLine] = None
         self.lines_written = 0
@@ -103,7 +98,11 @@ class ConsoleLog:
     async def read_new(self, *, final: bool = False) -> int:
         """Read what the console got since the last read and store its complete lines (``final``: the last
         partial line too); returns the bytes read."""
-        chunk = await trio.to_thread.run_sync(self._read_chunk)
+        if self.offset is None:
+            self.offset = (await self.db.run(console_offset, self.sandbox_id, self.run_name)
+                           if self.taken_over else 0)
+        chunk = await trio.to_thread.run_sync(self._read_chunk, self.offset)
+        self.offset += len(chunk)
         data = self.partial + chunk
         lines = data.split(b"\n")
         self.partial = lines.pop()
@@ -122,25 +121,17 @@ class ConsoleLog:
             line = classify(text, ts, self.previous)
             self.previous = line
             out.append(line)
-        if out:
-            await self.db.run(append_lines, self.sandbox_id, out, keep=self.limits.max_lines_per_sandbox)
+        if chunk or out:  # the lines and the offset they end at, in one transaction
+            await self.db.run(store_console, self.sandbox_id, out, keep=self.limits.max_lines_per_sandbox,
+                              run=self.run_name, bytes_read=self.offset - len(self.partial))
             self.lines_written += len(out)
-        if chunk:
-            await trio.to_thread.run_sync(self._store_offset, self.offset - len(self.partial))
         return len(chunk)
 
-    def _store_offset(self, offset: int) -> None:
-        try:
-            self.offset_path.write_text(str(offset))
-        except OSError as exc:  # the run directory went (the sandbox ended): nothing to go on from
-            log.debug("sandbox %s: storing the console offset failed: %s", self.sandbox_id, exc)
-
-    def _read_chunk(self) -> bytes:
+    def _read_chunk(self, offset: int) -> bytes:
         try:
             with open(self.path, "rb") as f:
-                f.seek(self.offset)
+                f.seek(offset)
                 chunk = f.read(READ_CHUNK)
         except FileNotFoundError:
             return b""
-        self.offset += len(chunk)
         return chunk

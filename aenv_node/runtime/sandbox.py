@@ -224,7 +224,7 @@ async def run_sandbox(
 
                 watch.start_soon(vmm_watch)
                 # the console into the sandbox's logs, read to its end when the watch is cancelled
-                watch.start_soon(ConsoleLog(db, sid, m.config.console_path, logs,
+                watch.start_soon(ConsoleLog(db, sid, m.config.console_path, logs, vmm_pid=m.vm.pid,
                                             taken_over=adopt is not None).run)
                 await handle.stop_requested.wait()
                 watch.cancel_scope.cancel()

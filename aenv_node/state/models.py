@@ -63,6 +63,7 @@ __all__ = [
     "NetworkSlot",
     "Event",
     "SandboxLog",
+    "ConsoleOffset",
     "IdempotencyKey",
 ]
 
@@ -484,6 +485,21 @@ class SandboxLog(Base):
     source: Mapped[str] = mapped_column(String(16))  # kernel | init | envd | console
     logger: Mapped[Optional[str]] = mapped_column(String(64))  # envd's logger name
     message: Mapped[str] = mapped_column(Text)
+
+
+class ConsoleOffset(Base):
+    """How far the node has read one sandbox run's console into its logs (``state/sandbox_logs.py``).
+
+    Written in the transaction that stores the lines it covers, so a node killed at any point and taking the
+    run over again reads every line exactly once. ``run`` names the run (its console file and its VMM's pid): a
+    resume writes a new console at the same path, and a take-over must not go on from the old run's offset.
+    """
+
+    __tablename__ = "console_offsets"
+
+    sandbox_id: Mapped[str] = mapped_column(ForeignKey("sandboxes.id", ondelete="CASCADE"), primary_key=True)
+    run: Mapped[str] = mapped_column(Text)
+    bytes_read: Mapped[int] = mapped_column(Integer)  # the console's bytes stored as lines (a partial line not)
 
 
 class IdempotencyKey(Base):

@@ -1,7 +1,9 @@
 """A sandbox's log lines (the ``sandbox_logs`` table): the one module that writes, bounds, reads and expires them.
 
 Lines come from the sandbox's console (kernel, init, envd; ``runtime/console_log.py`` reads and classifies
-them) and are served by E2B's logs routes. They live in SQLite beside the sandbox's row, so a paused sandbox
+them) and are served by E2B's logs routes. How far a run's console has been read (``console_offsets``) is
+written in the transaction that stores the lines it covers (:func:`store_console`), so a reader taking a run
+over after the node was killed stores each line once. They live in SQLite beside the sandbox's row, so a paused sandbox
 keeps them and a person can read them with ``sqlite3``. Two bounds keep the table small: each sandbox keeps at
 most ``keep`` lines (the oldest go, in the transaction that writes new ones), and the lines of a sandbox that
 ended go ``logs.retention_s`` after its end (:func:`expire_ended`).
@@ -17,9 +19,9 @@ from typing import Optional
 from sqlalchemy import and_, delete, func, or_, select
 from sqlalchemy.orm import Session
 
-from .models import Sandbox, SandboxLog, SandboxState
+from .models import ConsoleOffset, Sandbox, SandboxLog, SandboxState
 
-__all__ = ["LEVELS", "LogLine", "append_lines", "expire_ended", "read_lines"]
+__all__ = ["LEVELS", "LogLine", "append_lines", "console_offset", "expire_ended", "read_lines", "store_console"]
 
 #: E2B's log levels, least severe first (a ``level`` filter keeps that level and the ones after it).
 LEVELS: tuple[str, ...] = ("debug", "info", "warn", "error")
@@ -55,6 +57,21 @@ def append_lines(s: Session, sandbox_id: str, lines: Sequence[LogLine], *, keep:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
+def store_console(s: Session, sandbox_id: str, lines: Sequence[LogLine], *, keep: int, run: str,
+                  bytes_read: int) -> int:
+    """Store a round of a run's console: its ``lines`` (:func:`append_lines`) and the byte offset they end at
+    (``bytes_read``), in the caller's one transaction; returns how many old lines were dropped."""
+    dropped = append_lines(s, sandbox_id, lines, keep=keep)
+    s.merge(ConsoleOffset(sandbox_id=sandbox_id, run=run, bytes_read=bytes_read))
+    return dropped
+
+
+def console_offset(s: Session, sandbox_id: str, run: str) -> int:
+    """Where a reader of ``run``'s console goes on: the stored offset if it is this run's, else its start."""
+    row = s.get(ConsoleOffset, sandbox_id)
+    return row.bytes_read if row is not None and row.run == run else 0
+
+
 def read_lines(s: Session, sandbox_id: str, *, cursor: Optional[dt.datetime], forward: bool, limit: int,
                min_level: Optional[str] = None, search: Optional[str] = None) -> list[SandboxLog]:
     """Up to ``limit`` lines from ``cursor`` on (forward: at or after it, oldest first; backward: at or before
@@ -80,4 +97,5 @@ def expire_ended(s: Session, ended_before: dt.datetime) -> int:
              .where(Sandbox.state.in_((SandboxState.KILLED, SandboxState.ERROR)),
                     func.coalesce(Sandbox.killed_at, Sandbox.updated_at) < ended_before))
     result = s.execute(delete(SandboxLog).where(SandboxLog.sandbox_id.in_(ended)))
+    s.execute(delete(ConsoleOffset).where(ConsoleOffset.sandbox_id.in_(ended)))
     return int(getattr(result, "rowcount", 0) or 0)

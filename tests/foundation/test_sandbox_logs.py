@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 
 from aenv_node.config import LogsSection
 from aenv_node.runtime.console_log import ConsoleLog, classify
-from aenv_node.state import Database, Sandbox, SandboxLog, SandboxState, utcnow
+from aenv_node.state import ConsoleOffset, Database, Sandbox, SandboxLog, SandboxState, utcnow
 from aenv_node.state import repository as repo
-from aenv_node.state.sandbox_logs import LogLine, append_lines, expire_ended, read_lines
+from aenv_node.state.sandbox_logs import LogLine, append_lines, expire_ended, read_lines, store_console
 
 from ..conftest import LiveNode
 
@@ -100,7 +100,7 @@ def test_the_console_reader_stores_whole_lines_and_reads_to_the_end_when_stopped
                                                                                 tmp_path: Path) -> None:
     console = tmp_path / "console.log"
     limits = LogsSection(max_lines_per_sandbox=100, max_line_chars=80, poll_interval_s=0.05)
-    reader = ConsoleLog(db, "sb1", console, limits)
+    reader = ConsoleLog(db, "sb1", console, limits, vmm_pid=41)
 
     async def main() -> None:
         async with trio.open_nursery() as n:
@@ -129,21 +129,57 @@ def test_the_console_reader_stores_whole_lines_and_reads_to_the_end_when_stopped
 
 def test_a_run_taken_over_reads_on_from_the_last_stored_line(db: Database, tmp_path: Path) -> None:
     """A node killed mid-run left a reader that stored some lines; the next node's reader of the same VMM's
-    console (a take-over) stores the rest once, and a new run of the sandbox reads its console from the start."""
-    console = tmp_path / "console.log"
+    console (a take-over) stores the rest once, and a new run of the sandbox (another VMM writing a new file at
+    the same path) reads its console from the start."""
+    (tmp_path / "run").mkdir()
+    console = tmp_path / "run" / "console.log"
     limits = LogsSection(max_lines_per_sandbox=100, max_line_chars=80, poll_interval_s=0.05)
     console.write_bytes(b"one\ntwo\npart")
-    killed = ConsoleLog(db, "sb1", console, limits)
+    killed = ConsoleLog(db, "sb1", console, limits, vmm_pid=41)
     trio.run(killed.read_new)  # then the node dies: no final read
+    # the offset was committed with the lines it covers (the partial line not), and nothing beside the console
+    with db.session() as s:
+        row = s.get(ConsoleOffset, "sb1")
+        assert row is not None and (row.run, row.bytes_read) == (f"{console}@41", len(b"one\ntwo\n"))
+    assert [p.name for p in console.parent.iterdir()] == ["console.log"]
     with open(console, "ab") as f:
         f.write(b"ial\nthree\n")
-    trio.run(ConsoleLog(db, "sb1", console, limits, taken_over=True).read_new)
+    trio.run(ConsoleLog(db, "sb1", console, limits, vmm_pid=41, taken_over=True).read_new)
     console.write_bytes(b"new run\n")  # a resume: a new console file, the old offset meaningless
-    trio.run(ConsoleLog(db, "sb2", console, limits).read_new)
+    trio.run(ConsoleLog(db, "sb1", console, limits, vmm_pid=42, taken_over=True).read_new)
     with db.session() as s:
         assert [r.message for r in read_lines(s, "sb1", cursor=None, forward=True, limit=100)] == [
-            "one", "two", "partial", "three"]
-        assert [r.message for r in read_lines(s, "sb2", cursor=None, forward=True, limit=100)] == ["new run"]
+            "one", "two", "partial", "three", "new run"]
+        row = s.get(ConsoleOffset, "sb1")
+        assert row is not None and (row.run, row.bytes_read) == (f"{console}@42", len(b"new run\n"))
+
+
+def test_lines_and_their_offset_commit_together(db: Database, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round whose transaction fails stores neither its lines nor its offset: the next reader stores them."""
+    console = tmp_path / "console.log"
+    limits = LogsSection(max_lines_per_sandbox=100, max_line_chars=80, poll_interval_s=0.05)
+    console.write_bytes(b"one\n")
+    trio.run(ConsoleLog(db, "sb1", console, limits, vmm_pid=7).read_new)
+    console.write_bytes(b"one\ntwo\n")
+
+    def boom(s: Session, *a: object, **kw: object) -> int:
+        store_console(s, *a, **kw)  # type: ignore[arg-type]
+        s.flush()
+        raise RuntimeError("the transaction fails after the lines and the offset were written")
+
+    reader = ConsoleLog(db, "sb1", console, limits, vmm_pid=7, taken_over=True)
+    monkeypatch.setattr("aenv_node.runtime.console_log.store_console", boom)
+    with pytest.raises(RuntimeError):
+        trio.run(reader.read_new)
+    monkeypatch.undo()
+    with db.session() as s:
+        assert [r.message for r in read_lines(s, "sb1", cursor=None, forward=True, limit=100)] == ["one"]
+        row = s.get(ConsoleOffset, "sb1")
+        assert row is not None and row.bytes_read == len(b"one\n")
+    trio.run(ConsoleLog(db, "sb1", console, limits, vmm_pid=7, taken_over=True).read_new)
+    with db.session() as s:
+        assert [r.message for r in read_lines(s, "sb1", cursor=None, forward=True, limit=100)] == ["one", "two"]
 
 
 async def test_the_routes_answer_in_e2b_shapes_and_refuse_bad_queries(live_node: LiveNode) -> None:

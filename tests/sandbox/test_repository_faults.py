@@ -120,9 +120,12 @@ def test_s3_down_erroring_and_slow(s3_node: tuple[NodeProcess, FaultProxy, Any])
         proxy.set("pass")
         _wait(lambda: _published(node, cut), f"{mode} {status}: the failed publish was not retried")  # noqa: B023
         if mode == "down":
-            _wait(lambda: repo.get_ownership(doomed) is None, "the killed sandbox's record stayed")
-            assert node.sql(f"SELECT error IS NULL FROM events WHERE sandbox_id = '{doomed}' "
-                            "AND operation = 'ownership_settle' ORDER BY id DESC LIMIT 1") == [(1,)]
+            # the retry deletes the record, then commits its event: wait for the event, then check the record
+            # (checked the other way round, the test could read the event between the two)
+            _wait(lambda: node.sql(f"SELECT error IS NULL FROM events WHERE sandbox_id = '{doomed}' "
+                                   "AND operation = 'ownership_settle' ORDER BY id DESC LIMIT 1") == [(1,)],
+                  "the killed sandbox's record was not settled")
+            assert repo.get_ownership(doomed) is None
         back = Sandbox.connect(cut, timeout=600)
         assert back.files.read(MARK) == f"kept by {cut}"
         back.kill()
