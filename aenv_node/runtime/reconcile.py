@@ -245,16 +245,30 @@ class Reconciler:
                 await p.db.run(record_unsettled, sid, error)
         removed = await remove_orphans(p.netcfg, keep=keep_slots)
         if p.driver.limits is not None:  # the cgroups a crash left, of the VMMs killed above among them
-            # a SIGKILLed VMM busy in the kernel (writing its memory out under a loaded disk) took over 5 s to
-            # go in CI, and its cgroup, still holding it at the sweep, stayed for good: wait for the VMMs
+            limits = p.driver.limits
+            # A VMM a pid file missed is still in its sandbox's cgroup: one already exiting when its pid was
+            # read (its command line is empty then, so ``kill_recorded`` left it) stayed in its cgroup past the
+            # sweep in CI, and the cgroup stayed for good. Whatever is in the cgroup of a sandbox that ends here
+            # is that sandbox's VMM: killed too. A SIGKILLed VMM busy in the kernel (writing its memory out
+            # under a loaded disk) took over 5 s to go: the sweep waits until the cgroups are empty.
+            ended = [vmm_key(sid) for sid, _ in found if sid not in adopted]
+            for name in ended:
+                for pid in limits.members(name):
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+
+            def busy() -> list[str]:
+                return [n for n in ended if limits.members(n)] + [str(pid) for pid in killed_pids if _exists(pid)]
+
             with trio.move_on_after(_VMM_EXIT_WAIT_S):
-                while any(_exists(pid) for pid in killed_pids):
+                while busy():
                     await trio.sleep(0.05)
-            alive = [pid for pid in killed_pids if _exists(pid)]
-            if alive:
-                log.warning("reconcile: killed VMMs %s still exist after %d s: their cgroups stay", alive,
-                            _VMM_EXIT_WAIT_S)
-            await trio.to_thread.run_sync(p.driver.limits.sweep)
+            if busy():
+                log.warning("reconcile: killed VMMs still exist after %d s (%s): their cgroups stay",
+                            _VMM_EXIT_WAIT_S, ", ".join(busy()))
+            await trio.to_thread.run_sync(limits.sweep)
         if isinstance(p.driver, FirecrackerDriver):  # the chroots of jailed VMMs that are gone
             jails = await p.driver.sweep_jails(wait_for=killed_pids)
             if jails:

@@ -203,6 +203,10 @@ class VmmLimits:
     def create(self, name: str, vcpus: int, mem_mib: int) -> VmmCgroup:
         return self.cgroups.create(name, self.for_vm(vcpus, mem_mib))
 
+    def members(self, name: str) -> set[int]:
+        """The processes in the VMM cgroup ``name`` (none if it does not exist)."""
+        return self.cgroups.of(name).members()
+
     def sweep(self) -> list[str]:
         """Remove the cgroups no process is in (their VMMs ended with a node that crashed); their names."""
         gone = []
