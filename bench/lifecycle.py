@@ -78,7 +78,7 @@ from bench._floor import (  # noqa: E402
     template_snapshot_id,
     vm_config,
 )
-from bench._node import BenchNode, run_node, sigterm_as_interrupt  # noqa: E402
+from bench._node import BenchNode, run_node, sigterm_as_interrupt, vmm_cpu_s  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
 from _results import result_path  # noqa: E402
 
@@ -372,6 +372,7 @@ def fork_phase(Sandbox: Any, node: BenchNode, counts: list[int], density_settle_
         for n in counts:
             time.sleep(2)
             avail_before = meminfo_available()
+            cpu_before = node.cpu_s()
             t = time.perf_counter()
             try:
                 res = parent.fork(count=n, timeout=SANDBOX_TIMEOUT_S, request_timeout=SDK_REQUEST_TIMEOUT_S)
@@ -384,6 +385,12 @@ def fork_phase(Sandbox: Any, node: BenchNode, counts: list[int], density_settle_
                 continue
             total_s = time.perf_counter() - t
             children = [c for c in res if not isinstance(c, Exception)]
+            # where the fork's CPU went: the node (control and data plane) against the children's VMMs (the
+            # restore, then the restored guest's first work: envd's /init, under TCG the retranslation of all
+            # the code it runs)
+            cpu_after = node.cpu_s()
+            fork_cpu = {"node_ms": ms(sum(cpu_after.values()) - sum(cpu_before.values())),
+                        "children_vmm_ms": ms(vmm_cpu_s([node_sid(c.sandbox_id) for c in children]))}
             errors = [f"{type(c).__name__}: {c}"[:300] for c in res if isinstance(c, Exception)]
             try:
                 cmd_ok: list[bool] = []
@@ -407,11 +414,13 @@ def fork_phase(Sandbox: Any, node: BenchNode, counts: list[int], density_settle_
                     "parent_capture": commit,
                     "node_child_ready": dist_ms([d for _, d, _ in ev]),
                     "node_child_restore": dist_ms([_json(x).get("restore_ms") for _, _, x in ev]),
+                    "cpu": fork_cpu,
                     "errors": errors,
                 }  # fmt: skip
                 print(f"  fork {n:2}: {r['total_ms']:8.1f} ms total, {r['per_child_ms']:7.1f} ms/child, "
                       f"{r['children_ran_command']}/{n} children ran a command; parent paused "
-                      f"{commit.get('paused_ms')} ms", flush=True)  # fmt: skip
+                      f"{commit.get('paused_ms')} ms; CPU: node {fork_cpu['node_ms']:.0f} ms, children's VMMs "
+                      f"{fork_cpu['children_vmm_ms']:.0f} ms", flush=True)  # fmt: skip
                 if n == max(counts) and children:
                     r["density"] = density(node, children, mem_mib, density_settle_s, avail_before)
                     d = r["density"]
