@@ -86,23 +86,6 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def vmm_cpu_s(sandbox_ids: list[str]) -> float:
-    """User + system CPU seconds the VMMs of ``sandbox_ids`` have used since they started (each VMM's command
-    line names its sandbox: ``aenv-<id>``); a VMM already gone counts nothing."""
-    keys = [f"aenv-{sid}".encode() for sid in sandbox_ids]
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if any(k in cmdline for k in keys) and not cmdline.startswith(b"/bin/sh"):
-                total += process_cpu_s(int(entry))
-        except OSError:
-            continue
-    return total
-
-
 @contextlib.contextmanager
 def profiled(pid: int, raw_out: Path, rate: int = 100) -> Iterator[dict[str, Any]]:
     """py-spy samples process ``pid`` (all threads, idle ones left out) while the block runs; the collapsed

@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._node import BenchNode, free_port, run_node, sigterm_as_interrupt, stop_node  # noqa: E402
+from bench._node import process_cpu_s as cpu_s  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
 from _results import result_path  # noqa: E402
 
@@ -70,12 +71,6 @@ SANDBOX_TIMEOUT_S = 300
 
 
 # ----- processes ------------------------------------------------------------------------------------------
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ Run: .venv/bin/python bench/lifecycle.py [--runs 5] [--heavy-runs 3] [--forks 1,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -78,7 +79,7 @@ from bench._floor import (  # noqa: E402
     template_snapshot_id,
     vm_config,
 )
-from bench._node import BenchNode, run_node, sigterm_as_interrupt, vmm_cpu_s  # noqa: E402
+from bench._node import BenchNode, process_cpu_s, run_node, sigterm_as_interrupt  # noqa: E402
 from bench._stats import ms, pct, utc_now  # noqa: E402
 from _results import result_path  # noqa: E402
 
@@ -363,6 +364,18 @@ def kill_all(Sandbox: Any, children: list[Any]) -> None:
         list(ex.map(lambda i: Sandbox.kill(i, request_timeout=SDK_REQUEST_TIMEOUT_S), ids))
 
 
+def children_vmm_cpu_s(node: BenchNode, children: list[Any]) -> float:
+    """CPU seconds the children's VMMs (their ``sandboxes.vmm_pid``) have used since they started."""
+    ids = [node_sid(c.sandbox_id) for c in children]
+    if not ids:
+        return 0.0
+    total = 0.0
+    for (pid,) in node.sql("SELECT vmm_pid FROM sandboxes WHERE id IN (%s)" % ",".join("?" * len(ids)), tuple(ids)):
+        with contextlib.suppress(OSError, TypeError):
+            total += process_cpu_s(int(pid))
+    return total
+
+
 def fork_phase(Sandbox: Any, node: BenchNode, counts: list[int], density_settle_s: float,
                mem_mib: int) -> dict[str, Any]:
     parent = create_sandbox(Sandbox)
@@ -390,7 +403,7 @@ def fork_phase(Sandbox: Any, node: BenchNode, counts: list[int], density_settle_
             # the code it runs)
             cpu_after = node.cpu_s()
             fork_cpu = {"node_ms": ms(sum(cpu_after.values()) - sum(cpu_before.values())),
-                        "children_vmm_ms": ms(vmm_cpu_s([node_sid(c.sandbox_id) for c in children]))}
+                        "children_vmm_ms": ms(children_vmm_cpu_s(node, children))}
             errors = [f"{type(c).__name__}: {c}"[:300] for c in res if isinstance(c, Exception)]
             try:
                 cmd_ok: list[bool] = []

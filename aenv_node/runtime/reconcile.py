@@ -265,9 +265,10 @@ class Reconciler:
             with trio.move_on_after(_VMM_EXIT_WAIT_S):
                 while busy():
                     await trio.sleep(0.05)
-            if busy():
+            left = busy()
+            if left:
                 log.warning("reconcile: killed VMMs still exist after %d s (%s): their cgroups stay",
-                            _VMM_EXIT_WAIT_S, ", ".join(busy()))
+                            _VMM_EXIT_WAIT_S, ", ".join(left))
             await trio.to_thread.run_sync(limits.sweep)
         if isinstance(p.driver, FirecrackerDriver):  # the chroots of jailed VMMs that are gone
             jails = await p.driver.sweep_jails(wait_for=killed_pids)
