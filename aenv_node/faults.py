@@ -42,6 +42,8 @@ POINTS: dict[str, str] = {
                       "one), the frozen upper not sealed",
     "capture.sealed": "pause, snapshot, fork: disk and memory layers written, the snapshot not committed",
     "pause.committed": "pause: the snapshot is committed, the VMM still runs, the paused transition not committed",
+    "pause.answered": "pause: the call is answering (with a data plane: the guest captured and its upper frozen, "
+                      "nothing persisted; without one: the sandbox paused)",
     "snapshot.committed": "snapshot, fork: the snapshot is committed, the sandbox still marked snapshotting "
                           "or forking",
     "fork.child_inserted": "fork: a child's row is committed (creating), its VMM not started",

@@ -1,4 +1,4 @@
-"""Sandbox lifetimes: the TTL wheel and periodic snapshots.
+"""Sandbox lifetimes: the TTL wheel, periodic snapshots, and pauses a crash cut.
 
 ``TtlWheel`` ends every running sandbox whose ``end_at`` passed: paused
 (autoPause, the default) or killed. ``PeriodicSnapshots`` snapshots every
@@ -25,9 +25,37 @@ from ..snapshot.errors import SandboxMovedAway
 from ..state import Sandbox, SandboxState, utcnow
 from .sandboxes import SandboxService
 
-__all__ = ["TtlWheel", "PeriodicSnapshots"]
+__all__ = ["CutPauses", "TtlWheel", "PeriodicSnapshots"]
 
 log = logging.getLogger(__name__)
+
+
+class CutPauses:
+    """At start, pause again each sandbox whose pause the previous run's crash cut (``NodeParts.cut_pauses``).
+
+    With a data plane a pause answers once the guest is captured, before it is persisted
+    (snapshot/operations.py): a control-plane crash in between leaves the VMM paused in the data plane and
+    the row pausing with nothing committed. The reconciler takes such a sandbox over (its vCPUs resumed,
+    its filesystem thawed: a running sandbox like any other); here it is paused again, before the node
+    serves, so no caller sees it run. A cut pause that had not answered yet is finished too: its caller got
+    an error, and a sandbox the API showed as paused ends paused."""
+
+    name = "cut-pauses"
+
+    def __init__(self, sandboxes: SandboxService) -> None:
+        self.sandboxes = sandboxes
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        cut, self.sandboxes.parts.cut_pauses = self.sandboxes.parts.cut_pauses, []
+        for sid in cut:
+            if self.sandboxes.registry.get(sid) is None:
+                continue  # its take-over failed: the registry recorded its end
+            try:
+                await self.sandboxes.pause(sid, reason="reconcile")
+                log.info("paused %s again: the previous run's crash cut its pause", sid)
+            except Exception as exc:  # it runs on, with the failure in its events
+                log.warning("pausing %s again after the crash that cut its pause failed: %s", sid, exc)
+        task_status.started()
 
 
 class TtlWheel:

@@ -111,6 +111,8 @@ class NodeParts:
     #: sandboxes the previous run left running in the data plane, found by the reconciler, taken over by the
     #: sandbox registry when it starts
     adoptions: dict[str, Adoption] = field(default_factory=dict)
+    #: of those, the ones a pause was cut in (it may have answered): paused again once taken over
+    cut_pauses: list[str] = field(default_factory=list)
 
     @classmethod
     def build(cls, cfg: Config, db: Database, node_id: str) -> "NodeParts":

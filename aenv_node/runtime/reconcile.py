@@ -30,6 +30,9 @@ the sandbox registry attaches to it when it starts): its row said running, or
 a capture the restart cut (snapshotting, forking, or pausing with no committed
 pause snapshot), its disk is open in the data plane, and its VMM is alive, is
 the data plane's child, and is the one it recorded in ``run/<id>/vmm.pid``.
+One taken over from a cut pause runs again and is paused again once it is
+(``CutPauses``): a pause answers before it is persisted, so the caller may
+have been told it paused.
 Everything else the data plane holds (a disk or a VMM no sandbox is taken
 over with) is closed or killed: only what the node started, found by what it
 recorded, never by a scan of processes.
@@ -137,9 +140,10 @@ def _settle_rows(s: Session, adopted: dict[str, Adoption], moved: dict[str, str]
         if sb.id in adopted:
             ensure_layers(s, adopted[sb.id].layers, LayerKind.DISK)
             if current != S.RUNNING:
+                again = "; it pauses again" if current == S.PAUSING else ""
                 repo.transition(s, sb.id, S.RUNNING, operation="reconcile",
                                 detail={"reason": f"the node restarted during {current}; the sandbox runs on in "
-                                                  "the data plane and the operation committed nothing"})
+                                                  f"the data plane and the operation committed nothing{again}"})
             continue
         if current == S.RESUMING:
             # its pause snapshot is intact: it is still paused
@@ -275,6 +279,9 @@ class Reconciler:
             if jails:
                 log.info("reconcile: removed the jails of %d VMMs gone: %s", len(jails), ", ".join(jails))
         p.adoptions = adopted
+        # a pause answers before it is persisted (snapshot/operations.py): one the restart cut is done again
+        # once the sandbox is taken over (lifetimes.py ``CutPauses``)
+        p.cut_pauses = [sid for sid, a in adopted.items() if a.left_in == S.PAUSING]
         if removed or found:
             log.info("reconcile: %d sandboxes settled (%d to take over), %d orphan slots removed", len(found),
                      len(adopted), len(removed))

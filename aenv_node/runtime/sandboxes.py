@@ -169,26 +169,28 @@ class SandboxService:
 
     async def _kill(self, sandbox_id: str, *, reason: str) -> bool:
         handle = self.registry.get(sandbox_id)
-        if handle is None:
-            def work(s: Session) -> bool:
-                sb = s.get(Sandbox, sandbox_id)
-                if sb is None or sb.state == S.KILLED:
-                    return False
-                # no process on this node (paused, or error): just record the kill
-                if sb.state != S.KILLING:
-                    repo.transition(s, sandbox_id, S.KILLING, operation=reason)
-                repo.transition(s, sandbox_id, S.KILLED, operation=reason)
-                return True
+        if handle is not None:
+            async with self.node.tracker.operation("kill"), handle.op_lock:
+                if not handle.done.is_set():
+                    await self.db.run(lambda s: repo.transition(s, sandbox_id, S.KILLING, operation=reason,
+                                                                expect=[S.RUNNING, S.ERROR]))
+                    handle.request_stop(reason)
+                    await handle.done.wait()
+                    return True
+            # it stopped while the kill waited for the lock (a pause that had answered ended): it is paused
+            # now, and the kill is recorded as for any paused sandbox
 
-            return await self.db.run(work)
-        async with self.node.tracker.operation("kill"), handle.op_lock:
-            if handle.done.is_set():
-                return True
-            await self.db.run(lambda s: repo.transition(s, sandbox_id, S.KILLING, operation=reason,
-                                                        expect=[S.RUNNING, S.ERROR]))
-            handle.request_stop(reason)
-            await handle.done.wait()
-        return True
+        def work(s: Session) -> bool:
+            sb = s.get(Sandbox, sandbox_id)
+            if sb is None or sb.state == S.KILLED:
+                return False
+            # no process on this node (paused, or error): just record the kill
+            if sb.state != S.KILLING:
+                repo.transition(s, sandbox_id, S.KILLING, operation=reason)
+            repo.transition(s, sandbox_id, S.KILLED, operation=reason)
+            return True
+
+        return await self.db.run(work)
 
     async def _settle_record(self, sandbox_id: str) -> None:
         """A sandbox ended here without a pause or a kill (VMM died, node restarted): drop its repository
@@ -224,6 +226,8 @@ class SandboxService:
     async def on_stop(self) -> None:
         """What a graceful stop does with running sandboxes (``Node.drainers``): with a data plane they keep
         running there for the node's next run (unless ``node.pause_on_stop``); without one they are paused."""
+        with trio.move_on_after(self.cfg.node.shutdown_grace_s):  # pauses that answered: persisted first
+            await self.ops.wait_persisted()
         if self.parts.dataplane is not None and (not self.cfg.node.pause_on_stop or self.registry.dataplane_lost.is_set()):
             # (a lost data plane took the disks: nothing can be paused; the next start settles the sandboxes)
             self.registry.detach_all()
@@ -258,8 +262,8 @@ class SandboxService:
         async def one(sid: str) -> None:
             async with limiter:
                 handle = self.registry.get(sid)
-                if handle is None or handle.stop_requested.is_set():
-                    return
+                if handle is None or handle.stop_requested.is_set() or handle.pausing:
+                    return  # (one pausing already: its persist is waited for below)
                 try:
                     await self.ops.pause(sid, reason=reason)
                     paused.append(sid)
@@ -274,6 +278,7 @@ class SandboxService:
             for sid in running:
                 nursery.start_soon(one, sid)
         with trio.move_on_after(self.cfg.node.shutdown_grace_s):
+            await self.ops.wait_persisted()  # (each pause answered once its guest was captured)
             await self.ops.wait_published()
         log.info("paused %d of %d running sandboxes (%s)", len(paused), len(running), reason)
         return len(paused)

@@ -133,6 +133,8 @@ async def capture_running(
     buffers: Optional[CaptureBufferPool] = None,
     take_source_memory: bool = False,
     also_commit: Optional[Callable[[Session, str], None]] = None,
+    on_held: Optional[Callable[[CaptureResult], None]] = None,
+    detail: Optional[dict[str, Any]] = None,
 ) -> CaptureOutcome:
     """Capture `vm` into a new snapshot (see the module docstring); returns when it is committed.
 
@@ -143,7 +145,11 @@ async def capture_running(
     fails.
 
     `also_commit(session, snapshot_id)`: more rows committed in the snapshot's own transaction (a user
-    snapshot's template: a snapshot is never committed without what makes it visible)."""
+    snapshot's template: a snapshot is never committed without what makes it visible).
+
+    `on_held(capture)`: called once the guest-visible part is done (its memory captured, the disk's upper
+    frozen, the VM running again if it keeps running) and before anything is persisted: a pause may answer
+    there (snapshot/operations.py). `detail`: more keys for the commit event (a pause's quiesce time)."""
     t0 = time.monotonic()
     snapshot_id = new_id("snp_")
     snap_dir = snapshots_dir / snapshot_id
@@ -164,6 +170,8 @@ async def capture_running(
                 resumed = True
             paused_ms = (time.monotonic() - tp) * 1000
             steps["freeze_ms"] = paused_ms - steps["capture_ms"]
+            if on_held is not None:
+                on_held(cap)
             # Three independent jobs, run at once (hashing and writing release the GIL): seal the disk
             # layer, write the memory layer, build the flat memory image.
             done: dict[str, Any] = {}
@@ -217,7 +225,7 @@ async def capture_running(
                          duration_ms=(time.monotonic() - t0) * 1000,
                          detail={"kind": kind.value, "dirty_bytes": cap.dirty_bytes,
                                  "paused_ms": round(paused_ms, 1), "parent_id": source.snapshot_id,
-                                 **{k: round(v, 1) for k, v in steps.items()}})
+                                 **{k: round(v, 1) for k, v in steps.items()}, **(detail or {})})
 
         await db.run(commit)
         return CaptureOutcome(snapshot_id, cap.vmstate, snap_dir / "memory", disk_layers, cap.dirty_bytes,

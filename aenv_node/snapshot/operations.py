@@ -17,7 +17,9 @@ taken here, in that order.
 
 Work that follows a pause (publish to the repository, then compaction) runs in
 this object's own nursery (``run``, a service of the node), fed by a queue, so
-the pause returns first and nothing runs unowned.
+the pause returns first and nothing runs unowned. With a data plane a pause
+answers as soon as the guest is captured, and persists in that nursery too
+(``pause``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import datetime as dt
 import logging
 import math
 import secrets
+import shutil
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -50,7 +54,7 @@ from ..state import repository as repo
 from ..storage import LiveDisk
 from ..storage.repository import Repository
 from ..storage.repository.errors import OwnershipConflict
-from ..vmm import Vm
+from ..vmm import CaptureResult, Vm
 from ..vmm.capture_buffer import CaptureBufferPool
 from .capture import CaptureOutcome, capture_running
 from .compaction import compact_snapshot
@@ -133,7 +137,7 @@ class SnapshotOperations:
     def __init__(self, db: Database, *, store: SnapshotStore, gc: GarbageCollector, repository: Repository,
                  buffers: CaptureBufferPool, launcher: Launcher, node_id: str, owner: str, vmm_name: str,
                  default_timeout_s: int, fork_max_count: int, compact_after_layers: int,
-                 quiesce: str = "pause", publish_retry_s: float = 30.0) -> None:
+                 quiesce: str = "pause", publish_retry_s: float = 30.0, answer_early: bool = False) -> None:
         self.db = db
         self.store = store
         self.gc = gc
@@ -160,16 +164,30 @@ class SnapshotOperations:
         self._queued: set[str] = set()
         self._published = trio.Event()
         self._published.set()
+        #: a pause answers once the guest is captured, before it is persisted (``pause``): only where the VMM
+        #: outlives this process (a data plane), so that a crash before the commit can pause it again
+        self.answer_early = answer_early
+        #: sandboxes whose pause answered and is being persisted (``wait_persisted``)
+        self._persisting: set[str] = set()
+        self._persisted = trio.Event()
+        self._persisted.set()
+        #: the service's nursery (``run``): pauses that answered early persist there
+        self._nursery: Optional[trio.Nursery] = None
 
     # -- background work after a pause ---------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The service: publish (then compact) each pause snapshot queued by ``after_pause``."""
-        async with trio.open_nursery() as nursery:
-            if self.publish_retry_s > 0:
-                nursery.start_soon(self._retry_failed_publishes)
-            task_status.started()
-            async for snapshot_id, sandbox_id in self._after_pause_recv:
-                nursery.start_soon(self._publish_then_compact, snapshot_id, sandbox_id)
+        """The service: publish (then compact) each pause snapshot queued by ``after_pause``; the pauses that
+        answered early persist in its nursery too."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                if self.publish_retry_s > 0:
+                    nursery.start_soon(self._retry_failed_publishes)
+                task_status.started()
+                async for snapshot_id, sandbox_id in self._after_pause_recv:
+                    nursery.start_soon(self._publish_then_compact, snapshot_id, sandbox_id)
+        finally:
+            self._nursery = None
 
     def after_pause(self, snapshot_id: str, sandbox_id: str) -> None:
         """Queue the publish and compaction of a pause snapshot (also for the reconciler's pauses)."""
@@ -292,12 +310,15 @@ class SnapshotOperations:
 
     async def _capture(self, handle: LiveSandbox, *, kind: SnapshotKind, keep_running: bool,
                        name: Optional[str] = None, take_source_memory: bool = False,
-                       also_commit: Optional[Callable[[Session, str], None]] = None) -> CaptureOutcome:
+                       also_commit: Optional[Callable[[Session, str], None]] = None,
+                       on_held: Optional[Callable[[CaptureResult], None]] = None,
+                       detail: Optional[dict[str, float]] = None) -> CaptureOutcome:
         return await capture_running(
             db=self.db, vm=handle.vm, image=handle.image, sandbox_id=handle.sandbox_id, source=handle.source,
             kind=kind, keep_running=keep_running, layers_dir=self.store.layers_dir,
             snapshots_dir=self.store.snapshots_dir, access_token=handle.access_token, env_vars=handle.env_vars,
-            name=name, buffers=self.buffers, take_source_memory=take_source_memory, also_commit=also_commit)
+            name=name, buffers=self.buffers, take_source_memory=take_source_memory, also_commit=also_commit,
+            on_held=on_held, detail=detail)
 
     async def _after_failed_capture(self, handle: LiveSandbox, operation: str, exc: BaseException, *,
                                     thaw: bool = False) -> None:
@@ -355,45 +376,111 @@ class SnapshotOperations:
         return snap
 
     async def pause(self, sandbox_id: str, *, reason: str = "pause") -> None:
-        """Capture the sandbox incrementally, stop its VMM and free its slot (E2B: 409 if paused)."""
+        """Capture the sandbox incrementally, stop its VMM and free its slot (E2B: 409 if paused).
+
+        With ``answer_early`` (a data plane: the VMM outlives this process) the call returns once the guest
+        is captured (its vCPUs stopped, its dirty pages in the capture buffer, its disk's upper frozen): the
+        guest-visible part. Persisting the capture, the commit and the VMM's stop go on in this service's
+        nursery under the sandbox's op_lock, so a resume, traffic or a kill that comes meanwhile waits for
+        them (``wait_out_pause``). Nothing is lost if this process dies before the commit: the paused VMM and
+        the frozen upper live on in the data plane, the row says pausing with no pause snapshot, and the next
+        start takes the sandbox over and pauses it again (runtime/reconcile.py). The call answers early only
+        when that holds: the capture holds every page dirtied since the restore (QEMU; Firecracker's dirty
+        log restarts at each capture, so a capture again would miss pages) and the state disk has room for
+        what is left to write; otherwise it returns after the commit, with the error if there is one."""
         handle = self.launcher.get(sandbox_id)
         if handle is None:
             sb = await self.db.run(lambda s: repo.get_sandbox(s, sandbox_id))
             raise SandboxConflict(f"sandbox {sandbox_id} is already {sb.state}" if sb.state == S.PAUSED else
                                   f"sandbox {sandbox_id} is {sb.state}: only a running sandbox can pause")
-        async with handle.op_lock, self.gc.pin():
-            if handle.done.is_set():
-                raise SandboxConflict(f"sandbox {sandbox_id} stopped meanwhile")
-            # traffic and resumes from now on wait for this pause (wait_out_pause): set before the PAUSING
-            # transition commits, so nothing that sees the sandbox pausing can reach its guest first
-            handle.pausing = True
-            try:
-                await self.db.run(lambda s: repo.transition(s, sandbox_id, S.PAUSING, operation=reason,
-                                                            expect=[S.RUNNING]))
-            except BaseException:
-                handle.pausing = False
+        if self.answer_early and self._nursery is not None:
+            await self._nursery.start(self._pause, handle, reason)
+        else:
+            await self._pause(handle, reason)
+        crash_point("pause.answered")
+
+    def _room_to_persist(self, cap: CaptureResult) -> bool:
+        """Whether the state disk has room for what a pause writes after it answered: its memory layer, its
+        flat memory image (a copy where the filesystem cannot reflink), and a margin."""
+        need = cap.mem_size + 2 * cap.dirty_bytes + (256 << 20)
+        return shutil.disk_usage(self.store.layers_dir).free >= need
+
+    async def _pause(self, handle: LiveSandbox, reason: str, *,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The pause (see ``pause``); ``task_status.started()`` is its answer, early or after the commit."""
+        sandbox_id = handle.sandbox_id
+        answered = False
+
+        def answer(cap: CaptureResult) -> None:
+            nonlocal answered
+            if self.answer_early and cap.since_restore and self._room_to_persist(cap):
+                answered = True
+                self._persist_begins(sandbox_id)
+                task_status.started()
+
+        try:
+            async with handle.op_lock, self.gc.pin():
+                if handle.done.is_set():
+                    raise SandboxConflict(f"sandbox {sandbox_id} stopped meanwhile")
+                # traffic and resumes from now on wait for this pause (wait_out_pause): set before the PAUSING
+                # transition commits, so nothing that sees the sandbox pausing can reach its guest first
+                handle.pausing = True
+                try:
+                    await self.db.run(lambda s: repo.transition(s, sandbox_id, S.PAUSING, operation=reason,
+                                                                expect=[S.RUNNING]))
+                except BaseException:
+                    handle.pausing = False
+                    raise
+                private = await self.db.run(SnapshotStore.memory_is_private, sandbox_id,
+                                            handle.source.snapshot_id)
+                # ``snapshot.quiesce``: the guest's filesystem synced and frozen, so the sealed layer holds every
+                # acknowledged write; the guest stops frozen and the /init of its resume thaws it
+                quiesced = self.quiesce == "pause"
+                detail: dict[str, float] = {}
+                if quiesced:
+                    t = time.monotonic()
+                    await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=sandbox_id)
+                    detail["quiesce_ms"] = round((time.monotonic() - t) * 1000, 1)
+                    crash_point("pause.quiesced", vmm_pid=handle.vm.pid)
+                try:
+                    out = await self._capture(handle, kind=SnapshotKind.PAUSE, keep_running=False,
+                                              take_source_memory=private, on_held=answer, detail=detail)
+                except BaseException as exc:
+                    with trio.CancelScope(shield=True):
+                        await self._after_failed_capture(handle, "pause", exc, thaw=quiesced)
+                    handle.pausing = False
+                    raise
+                handle.paused_snapshot_id = out.snapshot_id
+                crash_point("pause.committed", vmm_pid=handle.vm.pid)
+                handle.request_stop(reason)
+                await handle.done.wait()
+            self.gc.request("pause")  # the snapshot it ran from is superseded
+            self.after_pause(out.snapshot_id, sandbox_id)
+        except Exception as exc:
+            if not answered:
                 raise
-            private = await self.db.run(SnapshotStore.memory_is_private, sandbox_id, handle.source.snapshot_id)
-            # ``snapshot.quiesce``: the guest's filesystem synced and frozen, so the sealed layer holds every
-            # acknowledged write; the guest stops frozen and the /init of its resume thaws it
-            quiesced = self.quiesce == "pause"
-            if quiesced:
-                await quiesce_guest(handle.address, access_token=handle.access_token, sandbox_id=sandbox_id)
-                crash_point("pause.quiesced", vmm_pid=handle.vm.pid)
-            try:
-                out = await self._capture(handle, kind=SnapshotKind.PAUSE, keep_running=False,
-                                          take_source_memory=private)
-            except BaseException as exc:
-                with trio.CancelScope(shield=True):
-                    await self._after_failed_capture(handle, "pause", exc, thaw=quiesced)
-                handle.pausing = False
-                raise
-            handle.paused_snapshot_id = out.snapshot_id
-            crash_point("pause.committed", vmm_pid=handle.vm.pid)
-            handle.request_stop(reason)
-            await handle.done.wait()
-        self.gc.request("pause")  # the snapshot it ran from is superseded
-        self.after_pause(out.snapshot_id, sandbox_id)
+            # the caller was told it paused: the sandbox runs on instead, and its events say why
+            log.warning("pausing %s failed after the pause answered (it runs on): %s", sandbox_id, exc)
+        finally:
+            if answered:
+                self._persist_ends(sandbox_id)
+        if not answered:
+            task_status.started()
+
+    def _persist_begins(self, sandbox_id: str) -> None:
+        if not self._persisting:
+            self._persisted = trio.Event()
+        self._persisting.add(sandbox_id)
+
+    def _persist_ends(self, sandbox_id: str) -> None:
+        self._persisting.discard(sandbox_id)
+        if not self._persisting:
+            self._persisted.set()
+
+    async def wait_persisted(self) -> None:
+        """Until every pause that answered early has committed (or failed): a stop waits here before it
+        leaves sandboxes to the data plane or pauses them."""
+        await self._persisted.wait()
 
     # -- restores ------------------------------------------------------------------------------------
     async def fork(self, sandbox_id: str, *, count: int, timeout_s: Optional[int]) -> list[Sandbox | Exception]:

@@ -59,6 +59,14 @@ class NodeProcess:
         finally:
             con.close()
 
+    def wait_state(self, sandbox_id: str, state: str, timeout: float = 120) -> None:
+        """Until the sandbox's row says ``state``. A pause answers once the guest is captured (with a data plane,
+        the default): its row says paused, its VMM gone, once the capture is persisted a moment later."""
+        deadline = time.monotonic() + timeout
+        while (now := self.sql(f"SELECT state FROM sandboxes WHERE id = '{sandbox_id}'")) != [(state,)]:
+            assert time.monotonic() < deadline, f"{sandbox_id} is {now}, not {state}"
+            time.sleep(0.05)
+
 
 def _wait_template(node: NodeProcess, template: str = "base", timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout

@@ -181,6 +181,8 @@ CELLS = [
     Cell("capture.frozen", _create, _post("/sandboxes/{sid}/pause"), "killed"),
     Cell("capture.sealed", _create, _post("/sandboxes/{sid}/pause"), "killed"),
     Cell("pause.committed", _create, _post("/sandboxes/{sid}/pause"), "paused"),
+    # (without a data plane a pause answers once it is paused: test_data_plane.py has it answering earlier)
+    Cell("pause.answered", _create, _post("/sandboxes/{sid}/pause"), "paused"),
     # after the pause answered: its publish, in the background
     Cell("publish.layers_uploaded", _create, _post("/sandboxes/{sid}/pause"), "paused"),
     Cell("publish.manifest_written", _create, _post("/sandboxes/{sid}/pause"), "paused"),

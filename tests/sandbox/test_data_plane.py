@@ -8,7 +8,8 @@ comes back with every running sandbox still running, its processes and files int
   sandbox pauses, resumes, snapshots and is killed as any other.
 * The control plane killed inside a capture (each point of pause, snapshot and fork): the sandbox runs on
   (its vCPUs resumed, its filesystem thawed, an upper the capture froze sealed into a layer of the node's)
-  with every write before and after the crash, unless the pause had committed (then it is paused there).
+  with every write before and after the crash. A pause (which answers once the guest is captured, before
+  the persist) is then done again before the node serves; one that had committed leaves it paused there.
 * The data plane killed: the node stops by itself, and its next start settles the sandboxes as after a
   crash of the whole node (paused at the last periodic snapshot, else killed), with no VMM left over.
 
@@ -203,11 +204,14 @@ def test_control_plane_killed_under_load_keeps_every_running_sandbox(dp: DataPla
 
 
 DP_CELLS = [
-    # the node died inside a capture: the sandbox runs on (vCPUs resumed, filesystem thawed)
-    Cell("pause.quiesced", _create, _post("/sandboxes/{sid}/pause"), "running"),
-    Cell("capture.captured", _create, _post("/sandboxes/{sid}/pause"), "running"),
+    # the node died inside a pause, before or after it answered (at the capture, before the persist): the
+    # sandbox is taken over (vCPUs resumed, filesystem thawed) and paused again before the node serves
+    Cell("pause.quiesced", _create, _post("/sandboxes/{sid}/pause"), "paused"),
+    Cell("capture.captured", _create, _post("/sandboxes/{sid}/pause"), "paused"),
     # the upper it froze is sealed by the take-over: the writes before the crash stay on the disk
-    Cell("capture.frozen", _create, _post("/sandboxes/{sid}/pause"), "running"),
+    Cell("capture.frozen", _create, _post("/sandboxes/{sid}/pause"), "paused"),
+    Cell("pause.answered", _create, _post("/sandboxes/{sid}/pause"), "paused"),
+    # the node died inside a capture that keeps the sandbox running: it runs on
     Cell("capture.sealed", _create, _post("/sandboxes/{sid}/snapshots", {}), "running"),
     Cell("snapshot.committed", _create, _post("/sandboxes/{sid}/fork", {"count": 2}), "running"),
     # the pause committed: it is paused there (its VMM killed, its disk closed in the data plane)
@@ -226,6 +230,12 @@ def test_control_plane_killed_inside_an_operation(dp: DataPlaneRig, cell: Cell) 
     new, mine = _settled(dp, before, sid)
     assert mine is not None
     assert dp.sql(f"SELECT state FROM sandboxes WHERE id = '{mine}'") == [(cell.expect,)]
+    if cell.expect == "paused" and cell.point != "pause.committed":  # taken over, then paused again
+        ops = dp.sql(f"SELECT operation, to_state FROM events WHERE sandbox_id = '{mine}' AND subject = 'sandbox' "
+                     "AND to_state IS NOT NULL ORDER BY id")
+        cut = ops.index(("pause", "pausing"))
+        assert ops[cut + 1:] == [("reconcile", "running"), ("adopt", "running"), ("reconcile", "pausing"),
+                                 ("pause", "paused")], ops
     for child in new - {mine}:  # fork children cut before they ran
         assert dp.sql(f"SELECT state FROM sandboxes WHERE id = '{child}'") == [("killed",)]
     _eventually(lambda: check_invariants(dp))

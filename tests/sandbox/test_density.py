@@ -76,6 +76,7 @@ def test_freed_guest_memory_returns_to_the_host_and_the_shared_image_is_untouche
         assert a.files.read("/home/user/after") == "kept"
         # freed pages no longer count as dirty: the pause captures far less than the guest wrote
         a.pause()
+        node.wait_state(a.sandbox_id, "paused")
         dirty = node.sql(f"select dirty_bytes from snapshots "
                          f"where source_sandbox_id = '{a.sandbox_id}' order by created_at desc limit 1")[0][0]
         assert dirty < (FILL_MIB << 20) // 2, dirty

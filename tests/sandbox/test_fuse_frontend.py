@@ -43,6 +43,7 @@ def test_sandbox_on_a_fuse_disk_survives_pause_and_leaves_no_mount(monkeypatch: 
                                 "sha256sum /home/user/big | cut -d' ' -f1")
             digest = r.stdout.strip()
             sb.pause()
+            node.wait_state(sb.sandbox_id, "paused")
             assert set(_fuse_mounts()) == before  # paused: no process, no mount
             sb = Sandbox.connect(sb.sandbox_id)
             assert sb.files.read("/home/user/a.txt") == "on a fuse disk"

@@ -27,6 +27,8 @@ vm = pytest.mark.vm  # the tests that boot guests (the rule tests below do not)
 
 
 def _snap_of(node: NodeProcess, sid: str) -> str:
+    """The snapshot of a sandbox just paused, once its pause is persisted (a pause answers before)."""
+    node.wait_state(sid, "paused")
     return node.sql(f"SELECT snapshot_id FROM sandboxes WHERE id = '{sid}'")[0][0]
 
 
@@ -241,6 +243,7 @@ def test_startup_sweeps_old_orphan_files(node: NodeProcess, monkeypatch: pytest.
     keep = Sandbox.create()
     keep.files.write("/home/user/kept.txt", "across the restart")
     keep.pause()
+    node.wait_state(keep.sandbox_id, "paused")
     [(state, snap_id)] = node.sql(f"SELECT state, snapshot_id FROM sandboxes WHERE id = '{keep.sandbox_id}'")
     assert state == "paused"
     inner_temp = snaps / snap_id / f".memory.tmp-{secrets.token_hex(4)}"

@@ -23,6 +23,7 @@ CHUNK = 4 << 20
 
 
 def _paused_snapshot(node: NodeProcess, sid: str) -> str:
+    node.wait_state(sid, "paused")  # a pause answers before its capture is persisted
     (state, snap), = node.sql(f"SELECT state, snapshot_id FROM sandboxes WHERE id = '{sid}'")
     assert state == "paused", state
     return str(snap)
