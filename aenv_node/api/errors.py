@@ -39,6 +39,7 @@ from ..runtime.errors import (
 )
 from ..snapshot.envd import EnvdUnavailable
 from ..state.errors import DatabaseBusy, IdempotencyMismatch, IllegalTransition, NotFound
+from ..templates.errors import GuestNotReady, KernelRefused
 from ..storage.errors import LayerCorrupt
 from ..storage.repository.errors import (
     OwnershipConflict,
@@ -93,6 +94,9 @@ ERROR_STATUS: Mapping[type[BaseException], int] = {
     StateDiskFull: 507,
     # the guest's agent did not answer, or the sandbox's VMM died under the operation
     EnvdUnavailable: 502,
+    GuestNotReady: 502,
+    # a VM's kernel the node cannot boot (an import without envd)
+    KernelRefused: 400,
     VmmExited: 502,
     # the shared snapshot repository: unreachable (or refusing: 5xx after the retries), or giving bad data
     RepositoryUnavailable: 503,

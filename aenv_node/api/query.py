@@ -41,6 +41,7 @@ __all__ = [
     "TemplatesPageQuery",
     "BuildStatusQuery",
     "UploadQuery",
+    "ImportVmQuery",
     "LayerRangeQuery",
     "NEXT_TOKEN_PATTERN",
     "MAX_LIMIT",
@@ -229,3 +230,15 @@ class LayerRangeQuery(QueryModel):
 
 class UploadQuery(QueryModel):
     token: str = Field(description="the token of the upload address get_template_files gave")
+
+
+class ImportVmQuery(QueryModel):
+    """POST /node/vm-templates (the kernel is the request body)."""
+
+    alias: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$", description="the template's name")
+    cpu_count: Annotated[int, Field(alias="cpuCount", ge=1, le=64), BeforeValidator(_int)] = 1
+    memory_mb: Annotated[int, Field(alias="memoryMB", ge=16, le=1 << 20), BeforeValidator(_int)] = 128
+    ready_console: str = Field(alias="readyConsole", min_length=1, max_length=256,
+                               description="a line the guest prints on its console once it is up")
+    timeout_s: Annotated[int, Field(alias="timeoutS", ge=1, le=600, description="how long the guest may take to "
+                                    "print it"), BeforeValidator(_int)] = 30

@@ -33,6 +33,7 @@ from .query import (
     TemplatesPageQuery,
     UploadQuery,
     LayerRangeQuery,
+    ImportVmQuery,
 )
 from ..storage.repository.manifest import DIGEST_PATTERN
 from .template_models import (
@@ -40,6 +41,7 @@ from .template_models import (
     AssignedTags,
     AssignTags,
     DeleteTags,
+    ImportedVm,
     Template,
     TemplateAlias,
     TemplateTag,
@@ -182,6 +184,11 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/node/drain", "drain_node", "Drain the node: no new sandbox operations (503), every running "
           "sandbox paused and published to the repository, for another node to resume; not undone until the node "
           "restarts (aenv-node drain)", _N, response=NodeDrain, error_statuses=(501,)),
+    Route("POST", "/node/vm-templates", "import_vm_template", "Import a VM without envd as a template: the request "
+          "body is its kernel (an x86-64 ELF with a PVH note, at most 32 MiB); it is booted until its console prints "
+          "readyConsole, and its boot snapshot kept. Its sandboxes run once their VMM does (no envd, no /init)",
+          _T, success=201, query=ImportVmQuery, upload="application/octet-stream", response=ImportedVm,
+          error_statuses=(403, 409, 413, 502)),
     Route("GET", "/node/layers/{layerDigest}", "get_layer_range", "A range of a layer this node caches, for a "
           "peer node (P2P, p2p.enabled): only chunks cached here are served (404 otherwise, never fetched); at "
           "most p2p.max_range_bytes, at most p2p.max_concurrent_serves at once (503)", _N, query=LayerRangeQuery,

@@ -284,6 +284,16 @@ class TemplateWithBuilds(Template):
     builds: list[TemplateBuildSummary]
 
 
+class ImportedVm(ResponseModel):
+    """POST /node/vm-templates: the template a VM without envd became."""
+
+    template_id: str = Field(alias="templateID")
+    build_id: str = Field(alias="buildID")
+    snapshot_id: str = Field(alias="snapshotID", description="its boot snapshot")
+    boot_ms: float = Field(alias="bootMs", description="from the VMM's start until the console said it was up")
+    capture_ms: float = Field(alias="captureMs")
+
+
 class TemplateAlias(ResponseModel):
     template_id: str = Field(alias="templateID")
     public: bool = False

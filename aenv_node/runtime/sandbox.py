@@ -188,7 +188,8 @@ async def run_sandbox(
                     name=vmm_key(sid), frontend=frontend, **disk_args))  # type: ignore[arg-type]
                 t_restored = time.monotonic()
                 crash_point("launch.vmm_started", vmm_pid=m.vm.pid)
-                await _init_or_exit(m.vm, slot.address, spec)
+                if src.guest_agent:  # (a guest without envd runs once its VMM does)
+                    await _init_or_exit(m.vm, slot.address, spec)
                 crash_point("launch.envd_ready", vmm_pid=m.vm.pid)
             duration_ms = (time.monotonic() - t0) * 1000
             handle = SandboxHandle(
@@ -282,7 +283,7 @@ async def _take_over(m: Machine, adopt: Adoption, spec: SandboxSpec) -> None:
     quiesce) its filesystem frozen."""
     if m.vm.state is VmState.PAUSED:
         await m.vm.resume()
-    if adopt.left_in == S.PAUSING:
+    if adopt.left_in == S.PAUSING and spec.source.guest_agent:
         await thaw_guest(m.slot.address, access_token=spec.access_token, sandbox_id=spec.sandbox_id)
 
 

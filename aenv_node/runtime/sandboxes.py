@@ -130,7 +130,9 @@ class SandboxService:
             row = Sandbox(
                 id=sid, template_id=t.id, alias=t.alias, node_id=self.node.node_id, client_id=self.node.node_id,
                 cpu_count=t.cpu_count, memory_mb=t.memory_mb, disk_size_mb=t.disk_size_mb,
-                envd_version=t.envd_version or envd_version(), envd_access_token=token,
+                # ("": a VM imported without envd, templates/import_vm.py)
+                envd_version=(t.envd_version or envd_version()) if source.guest_agent else "",
+                envd_access_token=token,
                 traffic_access_token=traffic,
                 metadata_=req.metadata, env_vars=env_vars, auto_pause=req.auto_pause,
                 auto_resume=req.auto_resume, allow_internet_access=req.allow_internet_access,

@@ -12,7 +12,7 @@ import datetime as dt
 import logging
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +46,7 @@ from ..templates import (
     RESERVED_NAMES,
     BuildMachine,
     BuildLog,
+    BuildResult,
     ImageConverter,
     LogEntry,
     Recipe,
@@ -58,6 +59,7 @@ from ..templates import (
     expire_converted_layers,
     expired_files,
     find_template,
+    import_vm,
     lookup,
     parent_template,
     prepare_code_interpreter_files,
@@ -297,6 +299,27 @@ class TemplateService:
         _check_tags(all_tags)
         return await self._register(alias, all_tags, name, cpu_count=cpu_count, memory_mb=memory_mb,
                                     min_free_disk_mb=min_free_disk_mb)
+
+    async def import_vm(self, alias: str, kernel: bytes, *, vcpus: int, mem_mib: int, ready_console: str,
+                        timeout_s: float) -> BuildResult:
+        """A VM without envd, from its kernel alone, as the template ``alias`` (``templates/import_vm.py``);
+        importing an alias again gives it a new boot snapshot (sandboxes made from the old one keep it)."""
+        if not NAME_PART.fullmatch(alias):
+            raise TemplateRequestError(f"template name {alias!r}: use lowercase letters, digits, '-', '_' and '.'")
+        self._check_own(alias)
+        if alias in RESERVED_NAMES:
+            raise TemplateProtected(f"{alias!r} cannot name a template: it is a word of the API's paths")
+        found = await self.parts.db.run(lambda s: s.scalars(select(Template.id).where(Template.alias == alias)).first())
+        template_id = found or new_id("tpl_")
+        keys = self._in_progress.enter([template_id, alias])
+        try:
+            result = await import_vm(replace(self._machine(), boot_timeout_s=timeout_s), kernel,
+                                     template_id=template_id, alias=alias, vcpus=vcpus, mem_mib=mem_mib,
+                                     ready_console=ready_console)
+        finally:
+            self._in_progress.leave(keys)
+        self.parts.gc.request("template_build")  # an import again supersedes the previous boot snapshot
+        return result
 
     def _check_own(self, alias: str) -> None:
         if alias in (self.parts.cfg.sandbox.default_template, *self._builtin_names()):

@@ -213,7 +213,7 @@ async def capture_running(
                 dirty_bytes=cap.dirty_bytes,
                 config=SnapshotConfig(shape=source.shape, access_token=access_token, env_vars=env_vars,
                                       default_user=source.default_user,
-                                      default_workdir=source.default_workdir),
+                                      default_workdir=source.default_workdir, guest_agent=source.guest_agent),
                 memory_mb=source.shape.mem_mib, committed_at=utcnow(),
             ))
             s.flush()

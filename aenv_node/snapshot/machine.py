@@ -51,9 +51,10 @@ def machine_config(shape: MachineShape, *, disk_source: str, slot: Slot, workdir
         kernel=Path(shape.kernel),
         vcpus=shape.vcpus,
         mem_mib=shape.mem_mib,
-        initrd=Path(shape.initrd),
+        initrd=Path(shape.initrd) if shape.initrd else None,
         cmdline=shape.cmdline,
-        drives=(Drive(disk_source), Drive(shape.tools_img, read_only=True)),
+        # (a VM imported without the guest kit has no tools image: ``aenv-node template import-vm``)
+        drives=(Drive(disk_source),) + ((Drive(shape.tools_img, read_only=True),) if shape.tools_img else ()),
         net=NetIf(tap=slot.tap, mac=slot.guest_mac),
         mem_file=mem_file,
         mem_mode=MemoryMode.SHARED if booted else MemoryMode.PRIVATE,

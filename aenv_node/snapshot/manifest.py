@@ -73,6 +73,8 @@ class SnapshotManifest(LayerManifest):
     env_vars: dict[str, str] = Field(default_factory=dict)
     default_user: Optional[str] = None
     default_workdir: Optional[str] = None
+    #: the guest runs envd (``SnapshotConfig.guest_agent``)
+    guest_agent: bool = True
     #: the sandbox the snapshot is of (None: a template's boot snapshot, which no sandbox ran)
     sandbox: Optional[SandboxRecord] = None
 

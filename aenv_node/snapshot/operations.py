@@ -435,7 +435,7 @@ class SnapshotOperations:
                                             handle.source.snapshot_id)
                 # ``snapshot.quiesce``: the guest's filesystem synced and frozen, so the sealed layer holds every
                 # acknowledged write; the guest stops frozen and the /init of its resume thaws it
-                quiesced = self.quiesce == "pause"
+                quiesced = self.quiesce == "pause" and handle.source.guest_agent
                 detail: dict[str, float] = {}
                 if quiesced:
                     t = time.monotonic()

@@ -184,7 +184,8 @@ async def upload_snapshot(db: Database, repo: Repository, layers_dir: Path, snap
                      for l in disk],
         memory_layers=memory_chain, memory_mb=sn.memory_mb, access_token=sn.config.access_token,
         env_vars=dict(sn.config.env_vars), default_user=sn.config.default_user,
-        default_workdir=sn.config.default_workdir, sandbox=SandboxRecord.of(sb) if sb is not None else None)
+        default_workdir=sn.config.default_workdir, guest_agent=sn.config.guest_agent,
+        sandbox=SandboxRecord.of(sb) if sb is not None else None)
 
     result = await trio.to_thread.run_sync(
         lambda: repo.commit_snapshot(sn.id, manifest.model_dump(mode="json"), layer_paths, require=require))
@@ -383,7 +384,7 @@ def record_published_snapshot(s: Session, manifest: SnapshotManifest, snap_dir: 
             imported_parent_id=manifest.parent_id, published=True,
             config=SnapshotConfig(shape=manifest.shape, access_token=manifest.access_token,
                                   env_vars=dict(manifest.env_vars), default_user=manifest.default_user,
-                                  default_workdir=manifest.default_workdir),
+                                  default_workdir=manifest.default_workdir, guest_agent=manifest.guest_agent),
             memory_mb=manifest.memory_mb, committed_at=utcnow()))
         s.flush()
         record_stack(s, snap_id, [LayerRef.remote(l.digest) for l in manifest.disk_layers],

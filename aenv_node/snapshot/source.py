@@ -46,6 +46,8 @@ class SnapshotSource:
     default_workdir: Optional[str] = None
     #: imported from the repository: ``memory`` must be materialized from the layers before a restore
     memory_from_layers: bool = False
+    #: the guest runs envd (``SnapshotConfig.guest_agent``): its restore waits for ``/init``, its pause quiesces
+    guest_agent: bool = True
 
     @property
     def files(self) -> SnapshotFiles:
@@ -78,4 +80,4 @@ def load_source(s: Session, snapshot_id: str) -> Optional[SnapshotSource]:
         shape=sn.config.shape, template_id=sn.template_id or "", disk_layers=disk,
         access_token=sn.config.access_token, env_vars=dict(sn.config.env_vars),
         default_user=sn.config.default_user, default_workdir=sn.config.default_workdir,
-        memory_from_layers=sn.memory_from_layers)
+        memory_from_layers=sn.memory_from_layers, guest_agent=sn.config.guest_agent)

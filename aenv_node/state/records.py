@@ -72,6 +72,9 @@ class SnapshotConfig(BaseModel):
     #: None: envd's own default (``user``, its home)
     default_user: Optional[str] = None
     default_workdir: Optional[str] = None
+    #: the guest runs envd (every template built from a root filesystem or an image); False: a VM imported
+    #: without one (``aenv-node template import-vm``), which runs once its VMM does, and is never quiesced
+    guest_agent: bool = True
 
 
 R = TypeVar("R", bound=BaseModel)

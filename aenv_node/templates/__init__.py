@@ -2,14 +2,15 @@
 kept current with its guest kit and root filesystem (``base``), and templates built from recipes (``recipe``,
 ``recipe_build``): FROM an OCI image (``convert``: layers shared by chain, ``provision``) or another template,
 then steps in a build VM (``steps``); what template names and tags mean (``names``);
-when the build caches let go (``cache_expiry``)."""
+when the build caches let go (``cache_expiry``); a VM without envd imported from its kernel (``import_vm``)."""
 
 from .base import base_template_current, ensure_base_template
 from .cache_expiry import expire_converted_layers, expired_files, touch
 from .builtin import CODE_INTERPRETER, code_interpreter_recipe, prepare_code_interpreter_files
 from .build import BuildResult, GuestDefaults, TemplateSource, build_template
 from .convert import ConvertedImage, ImageConverter
-from .errors import GuestExecError, ImageHasNoShell, TemplateBuildError
+from .errors import GuestExecError, GuestNotReady, ImageHasNoShell, KernelRefused, TemplateBuildError
+from .import_vm import import_vm
 from .machine import BuildMachine
 from .names import DEFAULT_TAG, NAME_PART, RESERVED_NAMES, NamedBuild, assign_tags, find_template, lookup, split_name
 from .recipe import BuildLog, LogEntry, Recipe, Step
@@ -34,6 +35,9 @@ __all__ = [
     "ConvertedImage",
     "GuestDefaults",
     "GuestExecError",
+    "GuestNotReady",
+    "KernelRefused",
+    "import_vm",
     "ImageConverter",
     "ImageHasNoShell",
     "LogEntry",

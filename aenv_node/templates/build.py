@@ -55,7 +55,7 @@ from ..state.repository import record_event
 from ..storage import Image, LayerInfo, LayerReader, LayerRef, import_raw_cached
 from ..storage.frontends import DiskFrontend
 from ..vmm import CaptureKind, CaptureResult, VmmDriver
-from .errors import TemplateBuildError
+from .errors import GuestNotReady, TemplateBuildError
 from .names import DEFAULT_TAG, assign_tags
 
 __all__ = ["BuildResult", "GuestDefaults", "Prepare", "TemplateSource", "build_template"]
@@ -94,8 +94,8 @@ class TemplateSource:
     base layer) or block layers already made (an OCI image's, converted and provisioned), bottom first."""
 
     kernel: Path
-    initrd: Path
-    tools_img: Path
+    initrd: Path | None  # (None, and no tools image: a VM imported without the guest kit, ``import_vm``)
+    tools_img: Path | None
     cmdline: str
     kit_hash: str
     free_page_reporting: bool = False
@@ -178,19 +178,27 @@ async def build_template(
     boot_timeout_s: float = 180.0,
     build_id: str | None = None,
     prepare: Prepare | None = None,
+    ready: Callable[[Path], Awaitable[None]] | None = None,
 ) -> BuildResult:
     """Build ``template_id`` from ``source`` (see the module docstring). ``build_id``: a build row made earlier
     (the API registers builds before they run), else a new one. ``prepare(host, seal)`` runs once envd answers in the
     build VM, before the capture (a recipe's steps, start command and ready check); it may return the
-    environment, default user and workdir the template gets instead of the source's."""
+    environment, default user and workdir the template gets instead of the source's.
+
+    An empty ``envd_version`` is a guest without envd (``aenv-node template import-vm``): ``ready(console_log)``
+    says when it is up instead of envd (it raises ``TemplateBuildError`` if it never is), and its snapshot
+    records no guest agent (``SnapshotConfig.guest_agent``)."""
+    if (ready is None) != bool(envd_version):
+        raise ValueError("a guest without envd (envd_version '') needs a ready check, and only such a guest")
     started = time.monotonic()
     build_id = build_id or str(uuid.uuid4())  # E2B build ids are UUIDs (the SDKs parse them)
     snapshot_id = new_id("snp_")
     snap_dir = snapshots_dir / snapshot_id
     workdir = work_root / build_id
     shape = MachineShape(
-        vcpus=vcpus, mem_mib=mem_mib, kernel=str(source.kernel), initrd=str(source.initrd),
-        cmdline=source.cmdline, tools_img=str(source.tools_img), accel=accel,
+        vcpus=vcpus, mem_mib=mem_mib, kernel=str(source.kernel),
+        initrd=str(source.initrd) if source.initrd else "", cmdline=source.cmdline,
+        tools_img=str(source.tools_img) if source.tools_img else "", accel=accel,
         free_page_reporting=source.free_page_reporting,
     )
 
@@ -249,7 +257,15 @@ async def build_template(
                                         run_dir=run_root / build_id, mem_file=snap_dir / "memory",
                                         name=_vm_name(template_id), frontend=frontend) as m:
                     try:
-                        await wait_envd(slot.address, timeout=boot_timeout_s)
+                        if ready is not None:
+                            with trio.fail_after(boot_timeout_s):
+                                await ready(workdir / "console.log")
+                        else:
+                            await wait_envd(slot.address, timeout=boot_timeout_s)
+                    except trio.TooSlowError:
+                        raise GuestNotReady(f"the guest was not ready {boot_timeout_s:.0f} s after its boot; "
+                                                 f"its console ends with: {_console_tail(workdir / 'console.log')}"
+                                                 ) from None
                     except EnvdUnavailable as exc:
                         if attempt == BOOT_ATTEMPTS:
                             raise TemplateBuildError(
@@ -261,7 +277,8 @@ async def build_template(
                         continue
                     boot_s = time.monotonic() - t_boot
                     crash_point("build.booted", vmm_pid=m.vm.pid)
-                    log.info("template %s: envd ready %.1fs after boot", template_id, boot_s)
+                    log.info("template %s: %s %.1fs after boot", template_id,
+                             "envd ready" if ready is None else "the guest is up", boot_s)
                     if prepare is not None:
                         running = image
 
@@ -313,7 +330,8 @@ async def build_template(
                 config=SnapshotConfig(shape=shape, envd_version=envd_version,
                                       rootfs=str(source.rootfs) if source.rootfs is not None else None,
                                       kit_hash=source.kit_hash, env_vars=guest.env_vars,
-                                      default_user=guest.default_user, default_workdir=guest.default_workdir),
+                                      default_user=guest.default_user, default_workdir=guest.default_workdir,
+                                      guest_agent=bool(envd_version)),
                 memory_mb=mem_mib, committed_at=utcnow(),
             ))
             s.flush()

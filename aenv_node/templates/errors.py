@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GuestExecError", "ImageHasNoShell", "TemplateBuildError"]
+__all__ = ["GuestExecError", "GuestNotReady", "ImageHasNoShell", "KernelRefused", "TemplateBuildError"]
 
 
 class TemplateBuildError(Exception):
@@ -16,3 +16,11 @@ class ImageHasNoShell(TemplateBuildError):
 class GuestExecError(TemplateBuildError):
     """envd in the build VM refused or broke off a request (a command failing is not this: its exit status
     is the step's result)."""
+
+
+class GuestNotReady(TemplateBuildError):
+    """A guest without envd never printed the line that says it is up (``import_vm``)."""
+
+
+class KernelRefused(TemplateBuildError):
+    """What was given as a VM's kernel is not one the node can boot (``import_vm``: not an x86-64 ELF, too large)."""

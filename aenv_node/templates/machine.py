@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -53,11 +53,13 @@ class BuildMachine:
                               free_page_reporting=self.free_page_reporting, **disk)
 
     async def build(self, source: TemplateSource, *, template_id: str, alias: str | None, vcpus: int, mem_mib: int,
-                    disk_size_mb: int, build_id: str | None = None, prepare: Prepare | None = None) -> BuildResult:
-        """Boot ``source``, run ``prepare`` and take the template's boot snapshot (``build.build_template``)."""
+                    disk_size_mb: int, build_id: str | None = None, prepare: Prepare | None = None,
+                    ready: Callable[[Path], Awaitable[None]] | None = None) -> BuildResult:
+        """Boot ``source``, run ``prepare`` and take the template's boot snapshot (``build.build_template``);
+        ``ready``: a guest without envd, up once it returns (``import_vm``)."""
         return await build_template(
             db=self.db, driver=self.driver, accel=self.accel.value, pool=self.pool, frontend=self.frontend,
             source=source, layers_dir=self.layers_dir, snapshots_dir=self.snapshots_dir, work_root=self.work_root,
             run_root=self.run_root, template_id=template_id, alias=alias, vcpus=vcpus, mem_mib=mem_mib,
-            disk_size_mb=disk_size_mb, envd_version=self.envd_version, boot_timeout_s=self.boot_timeout_s,
-            build_id=build_id, prepare=prepare)
+            disk_size_mb=disk_size_mb, envd_version="" if ready is not None else self.envd_version,
+            boot_timeout_s=self.boot_timeout_s, build_id=build_id, prepare=prepare, ready=ready)

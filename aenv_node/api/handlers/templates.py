@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from quart import request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -18,6 +19,7 @@ from ..context import ApiContext, Handler
 from ..errors import ApiError
 from ..models import SnapshotDetail
 from ..template_models import (
+    ImportedVm,
     AssignedTags,
     AssignTags,
     DeleteTags,
@@ -28,7 +30,7 @@ from ..template_models import (
     TemplateUsage,
     TemplateWithBuilds,
 )
-from ..query import SnapshotsQuery, TemplatesPageQuery
+from ..query import ImportVmQuery, SnapshotsQuery, TemplatesPageQuery
 
 
 def _usage(s: Session, template_ids: list[str]) -> dict[str, TemplateUsage]:
@@ -149,7 +151,19 @@ async def snapshot_lineage(api: ApiContext, snapshotID: str) -> list[SnapshotDet
     return out
 
 
+async def import_vm_template(api: ApiContext, query: ImportVmQuery) -> ImportedVm:
+    """The body is the kernel, read whole (the route's size limit bounds it; ``import_vm`` checks what it is)."""
+    kernel = await request.get_data(cache=False)
+    assert isinstance(kernel, bytes)
+    result = await api.sandboxes.templates.import_vm(
+        query.alias, kernel, vcpus=query.cpu_count, mem_mib=query.memory_mb, ready_console=query.ready_console,
+        timeout_s=query.timeout_s)
+    return ImportedVm(template_id=result.template_id, build_id=result.build_id, snapshot_id=result.snapshot_id,
+                      boot_ms=round(result.boot_s * 1000, 1), capture_ms=round(result.capture_s * 1000, 1))
+
+
 HANDLERS: dict[str, Handler] = {
+    "import_vm_template": import_vm_template,
     "list_templates": list_templates,
     "list_templates_v2": list_templates_v2,
     "get_template_tags": get_template_tags,
