@@ -122,8 +122,9 @@ def vm_config(snap: dict[str, Any], wd: Path, disk: Path, netns: Path, name: str
     shape = snap["shape"]
     return VmConfig(
         workdir=wd, kernel=Path(shape["kernel"]), vcpus=shape["vcpus"], mem_mib=shape["mem_mib"],
-        initrd=Path(shape["initrd"]), cmdline=shape["cmdline"],
-        drives=(Drive(str(disk)), Drive(shape["tools_img"], read_only=True)),
+        initrd=Path(shape["initrd"]) if shape["initrd"] else None, cmdline=shape["cmdline"],
+        # (a VM imported without the guest kit has no initrd and no tools image)
+        drives=(Drive(str(disk)),) + ((Drive(shape["tools_img"], read_only=True),) if shape["tools_img"] else ()),
         net=NetIf(tap=TAP, mac=GUEST_MAC), mem_mode=MemoryMode.PRIVATE,
         api_socket=wd / "qmp.sock", console_log=wd / "console.log", netns=netns,
         accel=Accel(shape["accel"]), name=name,

@@ -71,6 +71,8 @@ BENCHES: tuple[Bench, ...] = (
     Bench("free_page_reporting", smoke=("--spawns", "2"), vm=True),
     Bench("templates", smoke=("--rounds", "1", "--no-build"), vm=True),
     Bench("sandbox_create", smoke=("-n", "1", "-c", "1", "--tp-count", "1", "--floor-runs", "1"), vm=True),
+    Bench("control_plane", args=("--profile",), smoke=("--concurrency", "1", "--seconds", "2", "--floor-seconds", "1"),
+          vm=True),
     Bench("lifecycle", smoke=("--runs", "1", "--heavy-runs", "1", "--settle", "0.5", "--heavy-settle", "1",
                               "--forks", "2", "--density-settle", "1", "--floor-runs", "1", "--fork-floor", "2"),
           vm=True),

@@ -183,7 +183,40 @@ def density() -> None:
     print(f"wrote {OUT / 'density.png'}")
 
 
-PLOTS = (lifecycle, kvmhost, soak, create, density)
+def control_plane() -> None:
+    data = _load("control_plane")
+    if data is None:
+        return
+    node, floor = data["node"], data["floor"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    cs = [p["concurrency"] for p in node]
+    left.plot(cs, [p["creates_per_min"] for p in node], marker="o", label="node: create + kill cycles")
+    left.plot([f["concurrency"] for f in floor], [f["restores_per_min"] for f in floor], marker="s",
+              label="raw Firecracker restores (floor)")
+    left.axhline(3300, color="grey", linestyle=":", label="goal: 3,300/min")
+    left.set_xlabel("concurrent clients")
+    left.set_ylabel("per minute")
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=8)
+    left.set_title("throughput against concurrency", fontsize=10)
+    parts = sorted({k for p in node for k in p["node_cpu_ms_per_cycle"]})
+    bottom = [0.0] * len(node)
+    for part in parts:
+        vals = [p["node_cpu_ms_per_cycle"].get(part) or 0.0 for p in node]
+        right.bar([str(c) for c in cs], vals, bottom=bottom, label=part.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    right.axhline(15, color="grey", linestyle=":", label="goal: 15 ms per create")
+    right.set_xlabel("concurrent clients")
+    right.set_ylabel("node CPU ms per create + kill")
+    right.legend(fontsize=8)
+    right.set_title("the node's CPU per cycle", fontsize=10)
+    fig.suptitle(f"Control-plane throughput, Firecracker tiny guest ({data['started'][:16]})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "control_plane.png", dpi=110)
+    print(f"wrote {OUT / 'control_plane.png'}")
+
+
+PLOTS = (lifecycle, kvmhost, soak, create, density, control_plane)
 
 if __name__ == "__main__":
     main()

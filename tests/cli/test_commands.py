@@ -7,11 +7,12 @@ import pytest
 
 from aenv_node.cli.aenv import cli
 
-# the command set the issue fixes (names as AgentENV's CLI)
+# the command set the issue fixes (names as AgentENV's CLI), and the import of a VM without envd (issue 17's
+# control-plane bench guest; docs/templates.md)
 EXPECTED = {
     "auth", "pull", "build", "template ls", "template rm", "template watch", "start", "cn", "exec", "upload",
     "download", "ls", "pause", "resume", "timeout", "rm", "snapshot create", "snapshot ls", "snapshot rm", "fork",
-    "events", "logs", "completion",
+    "events", "logs", "completion", "template import-vm",
 }
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from ..vmm.tinyguest import build_tiny_guest, console_ticks
 from .conftest import NodeProcess, node_in_tmp, processes_mentioning
+from .test_aenv_cli import aenv
 
 pytestmark = pytest.mark.vm
 
@@ -110,3 +111,18 @@ def test_a_bad_kernel_or_a_guest_that_never_comes_up_is_refused_and_leaves_nothi
         assert not list((fc_node.state_dir / "builds" / builds[0][0]).glob("upper*"))
         r = c.post("/sandboxes", json={"templateID": "mute"})
         assert r.status_code == 409 and "no successful build" in r.json()["message"], r.text
+
+
+def test_the_cli_imports_a_vm_and_says_why_it_cannot(fc_node: NodeProcess, tiny: bytes, tmp_path: Path) -> None:
+    kernel = tmp_path / "tiny.elf"
+    kernel.write_bytes(tiny)
+    ok = aenv(fc_node, "template", "import-vm", str(kernel), "--name", "tiny-cli", "--ready", "AENV BOOT", "--mem",
+              "64")
+    assert ok.returncode == 0 and ok.stdout == "tiny-cli\n", ok.stderr
+    assert "imported tiny-cli" in ok.stderr
+    assert fc_node.sql("SELECT status FROM templates WHERE alias = 'tiny-cli'") == [("ready",)]
+    script = tmp_path / "not-a-kernel"
+    script.write_text("#!/bin/sh\n")
+    bad = aenv(fc_node, "template", "import-vm", str(script), "--name", "nope", "--ready", "AENV BOOT")
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "not an ELF file" in bad.stderr

@@ -1,4 +1,4 @@
-"""Templates: ``aenv pull IMAGE``, ``aenv build DOCKERFILE``, ``aenv template ls|rm|watch``.
+"""Templates: ``aenv pull IMAGE``, ``aenv build DOCKERFILE``, ``aenv template ls|rm|watch|import-vm``.
 
 A build is made with the e2b SDK's ``Template`` builder (``Template.build_in_background``: it registers the
 build, uploads COPY/ADD files by hash, starts the recipe), then followed with :func:`.build_progress.follow_build`
@@ -193,6 +193,39 @@ def template_watch(conn: Conn, build_id: str, template_id: Optional[str], timeou
 
     follow_build(conn, template_id or _find_build(conn, build_id), build_id, timeout)
     click.echo(f"build {build_id} ready")
+
+
+@template_group.command("import-vm")
+@click.argument("kernel", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--name", required=True, help="Template name.")
+@click.option("--ready", "ready_console", required=True, metavar="TEXT",
+              help="The guest is up once its console prints TEXT.")
+@click.option("--mem", type=click.IntRange(min=16), default=128, metavar="MB", show_default=True,
+              help="Memory of its sandboxes, MiB.")
+@click.option("--cpu", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+              help="vCPUs of its sandboxes.")
+@click.option("--timeout", type=click.IntRange(min=1, max=600), default=30, metavar="S", show_default=True,
+              help="How long the guest may take to print TEXT.")
+@click.option("--json", "as_json", is_flag=True, help="Print the node's answer as JSON.")
+@connection_options
+def template_import_vm(conn: Conn, kernel: Path, name: str, ready_console: str, mem: int, cpu: int, timeout: int,
+                       as_json: bool) -> None:
+    """Import a VM without envd as a template: KERNEL (an x86-64 ELF with a PVH note: a unikernel, a test
+    guest) is booted by the node until its console prints TEXT. Its sandboxes run once their VMM does; the
+    SDK's commands and files need envd and do not work in them."""
+    if not _NAME_OK.fullmatch(name) or ":" in name:
+        raise click.BadParameter(f"{name!r}: lowercase letters, digits, '.', '_', '-'", param_hint="--name")
+    body = kernel.read_bytes()
+    answer = conn.api.request("POST", "/node/vm-templates", content=body,
+                              params={"alias": name, "readyConsole": ready_console, "memoryMB": mem,
+                                      "cpuCount": cpu, "timeoutS": timeout},
+                              headers={"content-type": "application/octet-stream"},
+                              timeout=timeout + 60).json()
+    if as_json:
+        echo_json(answer)
+    else:
+        err(f"imported {name}: template {answer['templateID']}, up {answer['bootMs']:.0f} ms after its boot")
+        click.echo(name)
 
 
 def register(group: click.Group) -> None:
