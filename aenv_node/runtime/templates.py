@@ -67,6 +67,7 @@ from ..templates import (
     touch,
 )
 from ..vmm import FirecrackerDriver, kill_recorded
+from .build_records import fail_build, fail_interrupted_builds, last_build_error, mark_building
 from .builds_in_progress import BuildsInProgress
 from .errors import (
     NodeNotReady,
@@ -102,48 +103,6 @@ class TagView:
     tag: str
     build_id: str
     created_at: dt.datetime
-
-
-def _fail_build(s: Session, build_id: str, message: str, step: str | None = None) -> None:
-    """Mark a build failed (and its template, when it has no ready snapshot) with the reason and the stage it
-    stopped at (``BuildLog.stage``)."""
-    b = s.get(TemplateBuild, build_id)
-    if b is None or b.status == BuildStatus.READY:
-        return
-    b.error_step = step or b.error_step
-    if b.status == BuildStatus.ERROR:
-        return  # build_template recorded it (its reason stands)
-    b.status, b.error, b.finished_at = BuildStatus.ERROR, message, utcnow()
-    t = s.get(Template, b.template_id)
-    if t is not None and t.boot_snapshot_id is None:
-        t.status = BuildStatus.ERROR
-    record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=b.template_id,
-                 to_state=BuildStatus.ERROR, error=message, detail={"build_id": build_id})
-
-
-def _mark_building(s: Session, build_id: str) -> None:
-    """A build's turn came: it is building from here (its pull and conversion included)."""
-    b = s.get(TemplateBuild, build_id)
-    if b is not None and b.status == BuildStatus.WAITING:
-        b.status, b.started_at = BuildStatus.BUILDING, utcnow()
-        record_event(s, "template_build", subject=EventSubject.TEMPLATE, subject_id=b.template_id,
-                     from_state=BuildStatus.WAITING, to_state=BuildStatus.BUILDING, detail={"build_id": build_id})
-
-
-def _last_build_error(s: Session, template_id: str) -> str:
-    b = s.scalars(select(TemplateBuild).where(TemplateBuild.template_id == template_id)
-                  .order_by(TemplateBuild.started_at.desc())).first()
-    return (b.error or "no reason recorded") if b is not None else "no build recorded"
-
-
-def _fail_interrupted_builds(s: Session) -> list[str]:
-    """At start: a build still waiting or building was cut by the node stopping; none runs twice. Returns
-    their ids."""
-    rows = s.scalars(select(TemplateBuild).where(
-        TemplateBuild.status.in_((BuildStatus.WAITING, BuildStatus.BUILDING)))).all()
-    for b in rows:
-        _fail_build(s, b.id, "interrupted by a restart of the node; start a new build")
-    return [b.id for b in rows]
 
 
 def envd_version() -> str:
@@ -186,7 +145,7 @@ class TemplateService:
         return self.parts.cfg.state_dir / "template-files"
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        cut = await self.parts.db.run(_fail_interrupted_builds)
+        cut = await self.parts.db.run(fail_interrupted_builds)
         if cut:
             run_dir = self.parts.cfg.run_dir
             # a build VMM outlives a node killed hard, as sandboxes' VMMs do: killed by the pid it recorded
@@ -422,7 +381,7 @@ class TemplateService:
             if self._limiter.borrowed_tokens >= self._limiter.total_tokens:
                 blog.info("waiting for a build slot (templates.max_concurrent_builds)")
             async with self._limiter, self.converter.session():
-                await self.parts.db.run(_mark_building, build_id)
+                await self.parts.db.run(mark_building, build_id)
                 blog.info(f"building {t.alias or t.id} from {recipe.source}")
                 await build_recipe(self._machine(), self.converter, self._recipe_inputs(),
                                    template_id=t.id, alias=t.alias, build_id=build_id, recipe=recipe,
@@ -432,13 +391,13 @@ class TemplateService:
             self.share(t.id)
         except trio.Cancelled:
             with trio.CancelScope(shield=True):
-                await self.parts.db.run(_fail_build, build_id, "interrupted: the node shut down during the build")
+                await self.parts.db.run(fail_build, build_id, "interrupted: the node shut down during the build")
             raise
         except Exception as exc:
             message = str(exc) if isinstance(exc, (TemplateBuildError, ImageError)) else f"{type(exc).__name__}: {exc}"
             blog.add(f"build failed: {message}", level="error")
             log.warning("template %s build %s failed at %s: %s", t.alias or t.id, build_id, blog.stage, message)
-            await self.parts.db.run(_fail_build, build_id, message, blog.stage)
+            await self.parts.db.run(fail_build, build_id, message, blog.stage)
         finally:
             self._in_progress.leave(keys)
 
@@ -615,7 +574,7 @@ class TemplateService:
             raise TemplateNotFound(f"template {split_name(name)[0]!r} has no tag {found.tag!r}")
         t, sn = found.template, found.snapshot
         if sn is None and t.status == BuildStatus.ERROR and name not in self._errors:
-            last = await self.parts.db.run(_last_build_error, t.id)
+            last = await self.parts.db.run(last_build_error, t.id)
             raise TemplateBuildFailed(f"template {name!r} has no successful build (the last one failed: {last})")
         if sn is None:
             err = self._errors.get(name)
