@@ -70,6 +70,12 @@ def snapshot_files(state_dir: Path, snapshot_id: str) -> dict[str, Any]:
     finally:
         con.close()
     cfg = json.loads(row[0]) if isinstance(row[0], str) else row[0]
+    # a user snapshot's flat memory image is made a moment after its answer (capture.py defer_flat_image)
+    deadline = time.monotonic() + 120
+    while not Path(row[3]).exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the memory image of snapshot {snapshot_id} ({row[3]}) was not made")
+        time.sleep(0.2)
     return {"id": snapshot_id, "shape": cfg["shape"], "format": row[2], "memory": row[3],
             "vmstate": row[1], "disk_layers": [loc for loc, _ in layers],
             "disk_size": max(v or 0 for _, v in layers)}  # fmt: skip

@@ -18,7 +18,11 @@ copy-on-write, so a capture only has to save what changed since that restore:
    extents, so they shadow the base) and the snapshot's own flat memory image
    is materialized: the source image copied (reflinked where the filesystem
    can) with the dirty ranges patched in. Every sandbox later restored from
-   this snapshot maps that one file, so they share its page cache;
+   this snapshot maps that one file, so they share its page cache. A user or
+   periodic snapshot may leave that image for later (``defer_flat_image``):
+   nothing restores from it yet, its memory layer holds the pages, and the
+   copy (a second of a loaded disk for 512 MiB on ext4) is the largest part
+   of the persist; the first restore materializes it (``SnapshotStore.load``);
 5. one transaction records the layers, the snapshot (parent = the snapshot the
    sandbox was restored from, so the lineage shows what each memory layer is a
    diff against) and its layer stack.
@@ -81,6 +85,8 @@ class CaptureOutcome:
     #: the next capture of this VM will hold only pages dirtied after this one (``CaptureResult``): the
     #: sandbox must then use this snapshot as its memory source
     rebase: bool = False
+    #: the flat memory image was left for later (``defer_flat_image``): ``SnapshotStore.load`` makes it
+    memory_deferred: bool = False
 
 
 def _write_memory_layer(cap: CaptureResult, layers_dir: Path) -> LayerInfo:
@@ -135,6 +141,7 @@ async def capture_running(
     also_commit: Optional[Callable[[Session, str], None]] = None,
     on_held: Optional[Callable[[CaptureResult], None]] = None,
     detail: Optional[dict[str, Any]] = None,
+    defer_flat_image: bool = False,
 ) -> CaptureOutcome:
     """Capture `vm` into a new snapshot (see the module docstring); returns when it is committed.
 
@@ -149,7 +156,11 @@ async def capture_running(
 
     `on_held(capture)`: called once the guest-visible part is done (its memory captured, the disk's upper
     frozen, the VM running again if it keeps running) and before anything is persisted: a pause may answer
-    there (snapshot/operations.py). `detail`: more keys for the commit event (a pause's quiesce time)."""
+    there (snapshot/operations.py). `detail`: more keys for the commit event (a pause's quiesce time).
+
+    `defer_flat_image`: commit without the snapshot's flat memory image (step 4), to be made from its memory
+    layers when something restores from it. Only where the VM goes on from its restore (the next capture's
+    diff does not start at this one) and the source's image is not being taken over."""
     t0 = time.monotonic()
     snapshot_id = new_id("snp_")
     snap_dir = snapshots_dir / snapshot_id
@@ -189,11 +200,13 @@ async def capture_running(
                     memfile.materialize(source.memory, [(diff, cap.dirty_ranges)], snap_dir / "memory",
                                         in_place=take_source_memory)
 
+            deferred = defer_flat_image and cap.since_restore and not take_source_memory
             t1 = time.monotonic()
             async with trio.open_nursery() as jobs:
                 jobs.start_soon(timed, "seal", image.seal_frozen, frozen, layers_dir)
                 jobs.start_soon(timed, "memory_layer", _write_memory_layer, cap, layers_dir)
-                jobs.start_soon(timed, "flat_image", flat_image)
+                if not deferred:
+                    jobs.start_soon(timed, "flat_image", flat_image)
             steps["persist_ms"] = (time.monotonic() - t1) * 1000
             sealed, mem_layer = done["seal"], done["memory_layer"]
             diff.unlink(missing_ok=True)
@@ -210,6 +223,7 @@ async def capture_running(
                 template_id=source.template_id, vmm=cap.vmm,
                 vmstate_location=str(cap.vmstate), vmstate_format=cap.format.value,
                 memory_location=str(snap_dir / "memory"), memory_base_location=source.memory_base or None,
+                memory_from_layers=deferred,
                 dirty_bytes=cap.dirty_bytes,
                 config=SnapshotConfig(shape=source.shape, access_token=access_token, env_vars=env_vars,
                                       default_user=source.default_user,
@@ -225,11 +239,13 @@ async def capture_running(
                          duration_ms=(time.monotonic() - t0) * 1000,
                          detail={"kind": kind.value, "dirty_bytes": cap.dirty_bytes,
                                  "paused_ms": round(paused_ms, 1), "parent_id": source.snapshot_id,
+                                 "memory_deferred": deferred,
                                  **{k: round(v, 1) for k, v in steps.items()}, **(detail or {})})
 
         await db.run(commit)
         return CaptureOutcome(snapshot_id, cap.vmstate, snap_dir / "memory", disk_layers, cap.dirty_bytes,
-                              paused_ms, (time.monotonic() - t0) * 1000, rebase=not cap.since_restore)
+                              paused_ms, (time.monotonic() - t0) * 1000, rebase=not cap.since_restore,
+                              memory_deferred=deferred)
     except BaseException as exc:
         with trio.CancelScope(shield=True):
             if take_source_memory and not source.memory.exists() and (snap_dir / "memory").exists():

@@ -59,7 +59,7 @@ from ..vmm.capture_buffer import CaptureBufferPool
 from .capture import CaptureOutcome, capture_running
 from .compaction import compact_snapshot
 from .envd import quiesce_guest, thaw_guest
-from .errors import ForkLimit, SandboxConflict
+from .errors import ForkLimit, SandboxConflict, SnapshotNotFound
 from .gc import GarbageCollector
 from .publish import (
     OwnerDead,
@@ -287,8 +287,11 @@ class SnapshotOperations:
                            envd_version=sb.envd_version, boot_snapshot_id=snapshot_id))
 
         try:
+            # a fork's children restore from it at once: its flat image is made now; a user snapshot's is made
+            # behind the answer (``_materialize_quietly``), a periodic one's only if a restore ever needs it
             out = await self._capture(handle, kind=kind, keep_running=True, name=name,
-                                      also_commit=template_of if kind == SnapshotKind.USER else None)
+                                      also_commit=template_of if kind == SnapshotKind.USER else None,
+                                      defer_flat_image=kind in (SnapshotKind.USER, SnapshotKind.PERIODIC))
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await self._after_failed_capture(handle, operation, exc)
@@ -306,19 +309,32 @@ class SnapshotOperations:
                                     "dirty_bytes": out.dirty_bytes})
 
         await self.db.run(done)
+        if out.memory_deferred and kind == SnapshotKind.USER and self._nursery is not None:
+            self._nursery.start_soon(self._materialize_quietly, out.snapshot_id)
         return out.snapshot_id
+
+    async def _materialize_quietly(self, snapshot_id: str) -> None:
+        """A user snapshot's flat memory image, made after the snapshot answered (a create from it made
+        meanwhile waits for this one, or makes it itself: ``SnapshotStore.load``)."""
+        try:
+            async with self.gc.pin():
+                await self.store.load(snapshot_id)
+        except SnapshotNotFound:
+            pass  # deleted meanwhile
+        except Exception as exc:  # the first restore from it tries again
+            log.warning("materializing the memory image of snapshot %s failed: %s", snapshot_id, exc)
 
     async def _capture(self, handle: LiveSandbox, *, kind: SnapshotKind, keep_running: bool,
                        name: Optional[str] = None, take_source_memory: bool = False,
                        also_commit: Optional[Callable[[Session, str], None]] = None,
                        on_held: Optional[Callable[[CaptureResult], None]] = None,
-                       detail: Optional[dict[str, float]] = None) -> CaptureOutcome:
+                       detail: Optional[dict[str, float]] = None, defer_flat_image: bool = False) -> CaptureOutcome:
         return await capture_running(
             db=self.db, vm=handle.vm, image=handle.image, sandbox_id=handle.sandbox_id, source=handle.source,
             kind=kind, keep_running=keep_running, layers_dir=self.store.layers_dir,
             snapshots_dir=self.store.snapshots_dir, access_token=handle.access_token, env_vars=handle.env_vars,
             name=name, buffers=self.buffers, take_source_memory=take_source_memory, also_commit=also_commit,
-            on_held=on_held, detail=detail)
+            on_held=on_held, detail=detail, defer_flat_image=defer_flat_image)
 
     async def _after_failed_capture(self, handle: LiveSandbox, operation: str, exc: BaseException, *,
                                     thaw: bool = False) -> None:

@@ -44,8 +44,11 @@ class SnapshotSource:
     #: the user and directory envd defaults to (a template's, from its image or build); None: envd's own
     default_user: Optional[str] = None
     default_workdir: Optional[str] = None
-    #: imported from the repository: ``memory`` must be materialized from the layers before a restore
+    #: ``memory`` must be materialized from ``memory_refs`` (over ``memory_base``) before a restore: an
+    #: imported snapshot, or a user or periodic one whose capture left its flat image for later
     memory_from_layers: bool = False
+    #: the memory layers as references (local file, or the repository's), bottom first
+    memory_refs: list[LayerRef] = field(default_factory=list)
     #: the guest runs envd (``SnapshotConfig.guest_agent``): its restore waits for ``/init``, its pause quiesces
     guest_agent: bool = True
 
@@ -56,7 +59,7 @@ class SnapshotSource:
     def copy(self) -> "SnapshotSource":
         """An independent copy (a live sandbox's source changes with each capture it takes)."""
         return replace(self, memory_layers=list(self.memory_layers), disk_layers=list(self.disk_layers),
-                       env_vars=dict(self.env_vars))
+                       env_vars=dict(self.env_vars), memory_refs=list(self.memory_refs))
 
 
 def memory_base_of(sn: Snapshot) -> str:
@@ -73,11 +76,13 @@ def load_source(s: Session, snapshot_id: str) -> Optional[SnapshotSource]:
     if sn is None or sn.status != SnapshotStatus.COMMITTED or sn.config is None or not sn.memory_location:
         return None
     disk = [ref_of(row) for row in stack_of(s, snapshot_id, LayerKind.DISK)]
-    memory = [row.digest for row in stack_of(s, snapshot_id, LayerKind.MEMORY)]
+    memory_rows = stack_of(s, snapshot_id, LayerKind.MEMORY)
+    memory = [row.digest for row in memory_rows]
     return SnapshotSource(
         snapshot_id=sn.id, vmstate=Path(sn.vmstate_location or ""), format=SnapshotFormat(sn.vmstate_format),
         memory=Path(sn.memory_location), memory_layers=memory, memory_base=memory_base_of(sn),
         shape=sn.config.shape, template_id=sn.template_id or "", disk_layers=disk,
         access_token=sn.config.access_token, env_vars=dict(sn.config.env_vars),
         default_user=sn.config.default_user, default_workdir=sn.config.default_workdir,
-        memory_from_layers=sn.memory_from_layers, guest_agent=sn.config.guest_agent)
+        memory_from_layers=sn.memory_from_layers, guest_agent=sn.config.guest_agent,
+        memory_refs=[ref_of(row) for row in memory_rows])

@@ -30,7 +30,7 @@ from ..state import (
     TemplateKind,
 )
 from ..state.repository import record_event
-from ..storage import LayerReader, LayerRef, materialize, open_reader
+from ..storage import LayerReader, materialize, open_reader
 from ..storage.cache import LayerCache
 from .errors import SnapshotNotFound
 from .source import SnapshotSource, load_source
@@ -51,6 +51,8 @@ class SnapshotStore:
         self.layers_dir = layers_dir
         self.snapshots_dir = snapshots_dir
         self.cache: Optional[LayerCache] = None
+        #: one materialization of a snapshot's memory image at a time (a create and the background one)
+        self._materializing: dict[str, trio.Lock] = {}
 
     async def load(self, snapshot_id: str) -> SnapshotSource:
         """The snapshot to restore from, its flat memory image present (``SnapshotNotFound`` if it is not
@@ -59,27 +61,37 @@ class SnapshotStore:
         if source is None:
             raise SnapshotNotFound(f"snapshot {snapshot_id} not found")
         if source.memory_from_layers and not source.memory.exists():
-            await self._materialize_memory(source.memory_layers, source.memory)
+            lock = self._materializing.setdefault(snapshot_id, trio.Lock())
+            try:
+                async with lock:
+                    if not source.memory.exists():
+                        await self._materialize_memory(source)
+            finally:
+                if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                    self._materializing.pop(snapshot_id, None)
         return source
 
-    async def _materialize_memory(self, digests: list[str], dest: Path) -> None:
-        """A memory image from layers in the repository, fetched through the local cache."""
-        cache = self.cache
+    async def _materialize_memory(self, source: SnapshotSource) -> None:
+        """A snapshot's flat memory image from its memory layers (local files, or the repository's through the
+        local cache), laid over its base image (a template's RAM file) when its chain has one."""
+        cache, dest = self.cache, source.memory
+        base = (source.memory_base, 0) if source.memory_base else None
         t0 = time.monotonic()
 
         def work() -> None:
             readers: list[LayerReader] = []
             try:
-                for d in digests:
-                    readers.append(open_reader(LayerRef.remote(d), cache))
-                materialize(readers, dest)
+                for ref in source.memory_refs:
+                    readers.append(open_reader(ref, cache))
+                materialize(readers, dest, base=base)
             finally:
                 for r in readers:
                     r.close()
 
         dest.parent.mkdir(parents=True, exist_ok=True)
         await trio.to_thread.run_sync(work)
-        log.info("materialized %s from %d memory layers in %.2fs", dest, len(digests), time.monotonic() - t0)
+        log.info("materialized %s from %d memory layers in %.2fs", dest, len(source.memory_refs),
+                 time.monotonic() - t0)
 
     async def delete_user_snapshot(self, snapshot_id: str) -> bool:
         """Delete a user snapshot (a template made from a running sandbox); False if there is none."""

@@ -193,6 +193,14 @@ def test_paused_without_auto_resume_is_not_found_for_traffic(sdk_env) -> None:
         Sandbox.kill(sb.sandbox_id)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def test_snapshot_then_create_from_it(sdk_env) -> None:
     sb = Sandbox.create(envs={"FROM": "parent"})
     try:
@@ -209,6 +217,24 @@ def test_snapshot_then_create_from_it(sdk_env) -> None:
             child.kill()
         src = sdk_env.sql(f"SELECT source_sandbox_id, parent_id FROM snapshots WHERE id = '{snap.snapshot_id}'")
         assert src[0][0] == sb.sandbox_id and src[0][1]
+        # its flat memory image was made behind the answer, from its memory layers (capture.py
+        # defer_flat_image); one a crash cut is made by the next restore from it
+        [(detail, memory, from_layers)] = sdk_env.sql(
+            "SELECT e.detail, s.memory_location, s.memory_from_layers FROM events e JOIN snapshots s ON s.id = "
+            f"e.subject_id WHERE e.operation = 'snapshot_commit' AND e.subject_id = '{snap.snapshot_id}'")
+        assert '"memory_deferred": true' in detail and from_layers == 1
+        deadline = time.monotonic() + 60
+        while not Path(memory).exists():
+            assert time.monotonic() < deadline, "the flat image was not made behind the snapshot"
+            time.sleep(0.2)
+        made = _sha256(Path(memory))
+        Path(memory).unlink()  # as a node killed before it was made leaves it
+        again = Sandbox.create(template=snap.snapshot_id)
+        try:
+            assert again.files.read("/home/user/state.txt") == "snapshotted"
+        finally:
+            again.kill()
+        assert _sha256(Path(memory)) == made  # the same image, from the layers
         assert Sandbox.delete_snapshot(snap.snapshot_id) is True
         assert Sandbox.delete_snapshot(snap.snapshot_id) is False
     finally:

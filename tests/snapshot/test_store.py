@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Awaitable
 
 import pytest
+import trio
 from sqlalchemy import select
 
 from aenv_node.snapshot.compaction import compact_snapshot
 from aenv_node.snapshot.errors import SnapshotNotFound
-from aenv_node.snapshot.layers import record_stack, reference_layer
-from aenv_node.snapshot.source import load_source
+from aenv_node.snapshot.layers import layer_digest, record_stack, reference_layer
+from aenv_node.snapshot.source import SnapshotSource, load_source
 from aenv_node.snapshot.store import SnapshotStore
 from aenv_node.state import (
     Database,
@@ -159,3 +161,38 @@ def test_memory_is_private_only_for_a_sandboxs_own_pause_snapshot(db: Database, 
         insert_sandbox(s, Sandbox(id="ic", template_id="base", snapshot_id="own", state=SandboxState.RUNNING))
     with db.session() as s:
         assert not SnapshotStore.memory_is_private(s, "ia", "own")
+
+
+@pytest.mark.trio
+async def test_load_makes_a_deferred_memory_image_from_its_layers_over_the_base(db: Database, tmp_path: Path) -> None:
+    """A user or periodic snapshot committed without its flat memory image (capture.py ``defer_flat_image``):
+    ``load`` makes it from the memory layers (local files) laid over the template's RAM file, a zeroed extent
+    shadowing the base, and makes it once when two restores ask at the same moment."""
+    ram = tmp_path / "tpl-memory"
+    ram.write_bytes(b"B" * SIZE)
+    (tmp_path / "layers").mkdir()
+    first = _layer(tmp_path / "layers", {0: b"1" * 4096, 8192: b"1" * 4096})
+    second = _layer(tmp_path / "layers", {8192: bytes(4096), 12288: b"2" * 4096})  # a zeroed page, a new one
+    dest = tmp_path / "snapshots" / "user" / "memory"
+    with db.session() as s:
+        for info in (first, second):
+            reference_layer(s, info, LayerKind.MEMORY)
+        s.add(Snapshot(id="user", kind=SnapshotKind.USER, status=SnapshotStatus.COMMITTED, vmstate_location="/v",
+                       vmstate_format="qemu-devices", memory_location=str(dest), memory_base_location=str(ram),
+                       memory_from_layers=True, config=SnapshotConfig(shape=SHAPE)))
+        s.flush()
+        record_stack(s, "user", [], [layer_digest(first), layer_digest(second)])
+    store = SnapshotStore(db, layers_dir=tmp_path / "layers", snapshots_dir=tmp_path / "snapshots")
+    sources = []
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            nursery.start_soon(lambda: _append(sources, store.load("user")))
+    assert [s.memory for s in sources] == [dest, dest]
+    data = dest.read_bytes()
+    assert data[:4096] == b"1" * 4096 and data[4096:8192] == b"B" * 4096
+    assert data[8192:12288] == bytes(4096) and data[12288:16384] == b"2" * 4096 and data[16384:] == b"B" * (SIZE - 16384)
+    assert not [p for p in dest.parent.iterdir() if p.name != "memory"]  # no temporary left
+
+
+async def _append(out: list[SnapshotSource], aw: Awaitable[SnapshotSource]) -> None:
+    out.append(await aw)
