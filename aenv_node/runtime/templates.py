@@ -251,9 +251,7 @@ class TemplateService:
         if not NAME_PART.fullmatch(alias) or (sep and not NAME_PART.fullmatch(tag)):
             raise TemplateRequestError(f"template name {name!r}: use lowercase letters, digits, '-', '_' and '.' "
                                        "(optionally ':tag')")
-        self._check_own(alias)
-        if alias in RESERVED_NAMES:
-            raise TemplateProtected(f"{alias!r} cannot name a template: it is a word of the API's paths")
+        self._check_nameable(alias)
         all_tags = list(dict.fromkeys([tag or DEFAULT_TAG, *tags]))
         _check_tags(all_tags)
         return await self._register(alias, all_tags, name, cpu_count=cpu_count, memory_mb=memory_mb,
@@ -265,9 +263,7 @@ class TemplateService:
         importing an alias again gives it a new boot snapshot (sandboxes made from the old one keep it)."""
         if not NAME_PART.fullmatch(alias):
             raise TemplateRequestError(f"template name {alias!r}: use lowercase letters, digits, '-', '_' and '.'")
-        self._check_own(alias)
-        if alias in RESERVED_NAMES:
-            raise TemplateProtected(f"{alias!r} cannot name a template: it is a word of the API's paths")
+        self._check_nameable(alias)
         found = await self.parts.db.run(lambda s: s.scalars(select(Template.id).where(Template.alias == alias)).first())
         template_id = found or new_id("tpl_")
         keys = self._in_progress.enter([template_id, alias])
@@ -279,6 +275,12 @@ class TemplateService:
             self._in_progress.leave(keys)
         self.parts.gc.request("template_build")  # an import again supersedes the previous boot snapshot
         return result
+
+    def _check_nameable(self, alias: str) -> None:
+        """A new build or import may take ``alias``: not one of the node's own templates, not a word of the paths."""
+        self._check_own(alias)
+        if alias in RESERVED_NAMES:
+            raise TemplateProtected(f"{alias!r} cannot name a template: it is a word of the API's paths")
 
     def _check_own(self, alias: str) -> None:
         if alias in (self.parts.cfg.sandbox.default_template, *self._builtin_names()):

@@ -14,6 +14,7 @@ from e2b import Sandbox
 
 from aenv_node.storage.layer import LayerReader
 
+from .test_density import _sha256
 from .test_e2b_sdk import _wait_state
 
 pytestmark = pytest.mark.vm
@@ -191,14 +192,6 @@ def test_paused_without_auto_resume_is_not_found_for_traffic(sdk_env) -> None:
         assert r.status_code == 502 and "was not found" in r.json()["message"]
     finally:
         Sandbox.kill(sb.sandbox_id)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def test_snapshot_then_create_from_it(sdk_env) -> None:
