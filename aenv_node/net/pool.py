@@ -2,10 +2,13 @@
 
 Creating a slot takes five process spawns and an nftables commit (~22 ms median here); taking
 one from the pool is a list pop (~1 us), or ~7 ms with a non-default egress policy to add.
-``SlotPool.run`` (the refiller, a task in a nursery the caller owns) keeps ``size`` slots prepared;
-``acquire`` takes one (or builds one on the spot when the pool is empty); ``release`` resets a slot
-(connection tracking flushed, default egress policy) and puts it back, or destroys it when the pool
-is full. Leaving the pool's ``async with`` destroys every slot the pool made, idle or leased.
+``SlotPool.run`` (the refiller, a task in a nursery the caller owns) keeps at least ``size`` slots
+prepared; ``acquire`` takes one (or builds one on the spot when the pool is empty); ``release`` resets a
+slot (connection tracking flushed; the default egress policy put back if the sandbox had another) and
+keeps it while fewer than ``2 * size`` are idle, else destroys it. The slack between the two bounds is
+what keeps a steady create -> kill churn from destroying a slot at every kill while the refiller builds
+another for the next create (seven process spawns and two ``network_slots`` writes per sandbox, for
+nothing). Leaving the pool's ``async with`` destroys every slot the pool made, idle or leased.
 
 Slot indexes are not chosen here: an ``IndexAllocator`` (the node's is backed by the
 ``network_slots`` table in SQLite) hands them out and takes them back, so a crash never leaves the
@@ -94,8 +97,10 @@ class SlotPool:
         self._retry_delay = retry_delay
         self._idle: list[Slot] = []
         self._leased: dict[int, Slot] = {}
-        #: slots the refiller is making for the idle list (a release keeps a slot only while idle ones and
-        #: these are short of ``size``, or the two together overshoot it)
+        #: leased slots whose egress policy may not be the default (given one at acquire, changed by
+        #: ``set_egress``, or adopted): a release must put the default back
+        self._custom_egress: set[int] = set()
+        #: slots the refiller is making for the idle list
         self._refilling = 0
         self._closed = False
         self._wake = trio.Event()  # set when the refiller should look again
@@ -181,7 +186,16 @@ class SlotPool:
             self._wake.set()
             slot = await self._make(policy)
         self._leased[slot.index] = slot
+        if policy is not None and policy != EgressPolicy():
+            self._custom_egress.add(slot.index)
         return slot
+
+    async def set_egress(self, slot: Slot, policy: EgressPolicy) -> None:
+        """Replace the egress policy of a leased slot (E2B's PUT /sandboxes/{id}/network)."""
+        if slot.index not in self._leased:
+            raise SlotError(f"slot {slot.index} was not acquired from this pool")
+        self._custom_egress.add(slot.index)  # (before: a failed apply may have changed it half-way)
+        await slot.apply_egress(policy)
 
     def adopt(self, slot: Slot) -> None:
         """Count an existing slot (e.g. of a sandbox still running after a node restart, found by
@@ -189,22 +203,26 @@ class SlotPool:
         if slot.index in self._leased or any(s.index == slot.index for s in self._idle):
             raise SlotError(f"slot {slot.index} already belongs to this pool")
         self._leased[slot.index] = slot
+        self._custom_egress.add(slot.index)  # (its policy is whatever the previous run left)
 
     def disown(self, slot: Slot) -> None:
         """Stop counting a leased slot as this pool's, leaving it as it is (a sandbox that runs on after the
         node stops, for the node's next run to ``adopt``): closing the pool then does not destroy it."""
         if self._leased.pop(slot.index, None) is None:
             raise SlotError(f"slot {slot.index} was not acquired from this pool")
+        self._custom_egress.discard(slot.index)
 
     async def release(self, slot: Slot, *, reuse: bool = True) -> None:
-        """Give back a slot whose sandbox is gone (its VMM has exited). It is reset and kept when
-        the pool is short of ``size`` and ``reuse`` is true, else destroyed."""
+        """Give back a slot whose sandbox is gone (its VMM has exited). It is reset and kept while fewer
+        than ``2 * size`` slots are idle and ``reuse`` is true, else destroyed."""
         if self._leased.pop(slot.index, None) is None:
             raise SlotError(f"slot {slot.index} was not acquired from this pool")
+        custom = slot.index in self._custom_egress
+        self._custom_egress.discard(slot.index)
         with trio.CancelScope(shield=True):
-            if reuse and not self._closed and len(self._idle) + self._refilling < self.size:
+            if reuse and not self._closed and len(self._idle) < 2 * self.size:
                 try:
-                    await slot.reset()
+                    await slot.reset(keep_default_egress=not custom)
                 except NetError as e:
                     log.warning("resetting slot %d failed, destroying it: %s", slot.index, e)
                 else:

@@ -236,11 +236,13 @@ class Slot:
         """See ``egress.apply_egress``."""
         await apply_egress(self, policy, replace=replace)
 
-    async def reset(self, policy: EgressPolicy | None = None) -> None:
+    async def reset(self, policy: EgressPolicy | None = None, *, keep_default_egress: bool = False) -> None:
         """Make the slot fit for another sandbox: its connection-tracking table is flushed (no NAT or
         "established" state survives from the previous guest) and the egress policy replaced
-        (default: allow all but the always-blocked ranges)."""
-        await self.apply_egress(policy or EgressPolicy())
+        (default: allow all but the always-blocked ranges). ``keep_default_egress``: the caller knows the
+        slot still has the default policy (``SlotPool`` tracks it), so ``nft`` is not run to set it again."""
+        if policy is not None or not keep_default_egress:
+            await self.apply_egress(policy or EgressPolicy())
         await flush_conntrack(self)
 
     async def destroy(self) -> None:

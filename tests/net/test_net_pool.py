@@ -31,6 +31,11 @@ def _indexes(found) -> list[int]:
     return [f.index for f in found if f.netns and f.host_veth]
 
 
+def _egress_rules(slot: Slot) -> str:
+    return subprocess.run([*slot.nsenter_argv(), "nft", "list", "chain", "inet", "aenv", "egress_user"],
+                          capture_output=True, text=True, check=True).stdout
+
+
 async def test_pool_fills_acquire_release_and_cleans_up(lab: Lab) -> None:
     cfg = lab.config()
     alloc = MemoryIndexAllocator(cfg.capacity, in_use={0})  # 0 is taken by someone else
@@ -48,36 +53,30 @@ async def test_pool_fills_acquire_release_and_cleans_up(lab: Lab) -> None:
 
             # with a policy: applied before the slot is handed out
             b = await pool.acquire(EgressPolicy.from_e2b(allow_internet_access=False))
-            rules = subprocess.run(
-                [*b.nsenter_argv(), "nft", "list", "chain", "inet", "aenv", "egress_user"],
-                capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
-            assert "drop" in rules
+            assert "drop" in _egress_rules(b)
             await pool.wait_ready()
             assert {s.index for s in pool.leased} == {a.index, b.index}
 
-            # release into a full pool: destroyed and its index freed
+            # release while fewer than 2 * size are idle: reset and kept, the default policy put back on the
+            # slot acquired with another and on one whose policy was replaced while leased
+            c = await pool.acquire()
+            await pool.wait_ready()
+            await pool.set_egress(c, EgressPolicy.from_e2b(allow_internet_access=False))
+            assert "drop" in _egress_rules(c)
+            for slot in (c, b):
+                await pool.release(slot)
+                assert slot.index in _indexes(await list_slots(cfg)) and slot.index in alloc.taken
+                assert "drop" not in _egress_rules(slot)
+            assert pool.ready == 4
+
+            # release into a pool with 2 * size idle: destroyed and its index freed
             await pool.release(a)
-            assert pool.ready == 2 and a.index not in alloc.taken
-            assert a.index not in _indexes(await list_slots(cfg))
+            assert a.index not in _indexes(await list_slots(cfg)) and a.index not in alloc.taken
+            assert pool.ready == 4
             with pytest.raises(SlotError):
                 await pool.release(a)  # not leased any more
-
-            # release into a short pool: reset (default policy again) and kept
-            idle = await pool.acquire()
-            await pool.wait_ready()
-            pool.size = 1
-            await pool.release(b)  # pool has 2 > 1: destroyed
-            assert b.index not in _indexes(await list_slots(cfg))
-            pool.size = 3
-            await pool.release(idle)  # pool has < 3: reset and kept
-            assert idle.index in _indexes(await list_slots(cfg))
-            rules = subprocess.run(
-                [*idle.nsenter_argv(), "nft", "list", "chain", "inet", "aenv", "egress_user"],
-                capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
-            assert "drop" not in rules
-            await pool.wait_ready(3)
+            with pytest.raises(SlotError):
+                await pool.set_egress(a, EgressPolicy())
             leased = await pool.acquire()
             nursery.cancel_scope.cancel()
         made = _indexes(await list_slots(cfg))
