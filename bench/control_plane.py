@@ -163,6 +163,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
     ap.add_argument("--floor-seconds", type=float, default=10.0, help="length of each raw restore loop")
     ap.add_argument("--profile", action="store_true", help="py-spy the control plane in the largest phase")
+    ap.add_argument("--profile-raw", default=None, help="with --profile: keep py-spy's collapsed stacks here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",") if x]
@@ -185,6 +186,8 @@ def main() -> None:
                     with profiled(node.proc.pid, raw) as prof:
                         phase = create_loop(node, c, args.seconds)
                     phase["profile"] = prof
+                    if args.profile_raw:
+                        shutil.copyfile(raw, args.profile_raw)
                 else:
                     phase = create_loop(node, c, args.seconds)
                 phases.append(phase)

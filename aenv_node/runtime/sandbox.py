@@ -116,6 +116,8 @@ class SandboxHandle:
     pausing: bool = False
     #: the node stops and leaves this sandbox running in the data plane for its next run (``detach``)
     detached: bool = False
+    #: its row as the transaction that made it running left it (what the create that started it answers)
+    record: Optional[Sandbox] = None
 
     def request_stop(self, reason: str = "kill") -> None:
         if not self.stop_requested.is_set():
@@ -198,17 +200,17 @@ async def run_sandbox(
                 traffic_token=spec.traffic_token, policy=spec.policy)
             started = handle
 
-            def ready(s: Session) -> None:
+            def ready(s: Session) -> Sandbox:
                 repo.claim_slot(s, slot.index, sid)
                 detail: dict[str, object] = {"restore_ms": round((t_restored - t0) * 1000, 1)}
                 if adopt is not None:
                     detail = {"reason": "taken over after a restart of the node", "left_in": adopt.left_in.value}
-                repo.transition(s, sid, S.RUNNING, operation=spec.operation,
-                                duration_ms=duration_ms, vmm_pid=m.vm.pid,
-                                slot_index=slot.index, workdir=str(spec.workdir),
-                                snapshot_id=src.snapshot_id, detail=detail)
+                return repo.transition(s, sid, S.RUNNING, operation=spec.operation,
+                                       duration_ms=duration_ms, vmm_pid=m.vm.pid,
+                                       slot_index=slot.index, workdir=str(spec.workdir),
+                                       snapshot_id=src.snapshot_id, detail=detail)
 
-            await db.run(ready)
+            handle.record = await db.run(ready)
             live[sid] = handle
             task_status.started(handle)
             async with trio.open_nursery() as watch:

@@ -84,6 +84,8 @@ class SandboxService:
         #: one lock per Idempotency-Key being created: a retry that arrives meanwhile waits for the first
         self._key_locks: dict[str, trio.Lock] = {}
         self._drain_lock = trio.Lock()
+        #: sandboxes a ``kill`` is ending (how many kills): their repository record is the kill's to remove
+        self._killing: dict[str, int] = {}
         registry.stopped_hooks.append(self._settle_record)
         node.drainers.append(self.on_stop)
         registry.lost_hooks.append(node.request_shutdown)
@@ -117,8 +119,7 @@ class SandboxService:
 
     async def _create(self, req: CreateRequest, digest: Optional[str]) -> Sandbox:
         async with self.node.tracker.operation("create"), self.parts.gc.pin():
-            t, sn = await self.templates.resolve(req.template)
-            source = await self.parts.store.load(sn.id)
+            t, sn, source = await self.templates.resolve_source(req.template)
             sid = "i" + secrets.token_hex(10)
             token = secrets.token_urlsafe(24)  # always secured, as E2B: envd requires it
             traffic = None if req.allow_public_traffic else secrets.token_urlsafe(24)
@@ -146,22 +147,31 @@ class SandboxService:
 
             await self.db.run(insert)
             crash_point("create.inserted")
-            await self.registry.launch(Launch(sid, source, env_vars=env_vars, access_token=token,
-                                              previous_token=source.access_token, policy=policy,
-                                              operation="create", traffic_token=traffic))
-            return await self.db.run(lambda s: repo.get_sandbox(s, sid))
+            handle = await self.registry.launch(Launch(sid, source, env_vars=env_vars, access_token=token,
+                                                       previous_token=source.access_token, policy=policy,
+                                                       operation="create", traffic_token=traffic))
+            assert handle.record is not None  # (set before the launch returns it)
+            return handle.record
 
     async def kill(self, sandbox_id: str, *, reason: str = "kill") -> bool:
         """Kill a sandbox; False if it does not exist (or is already killed)."""
-        killed = await self._kill(sandbox_id, reason=reason)
-        if killed:
-            # another node sharing the repository must not resume it any more
-            try:
-                await trio.to_thread.run_sync(forget_published, self.parts.repository, sandbox_id, self.parts.owner)
-            except Exception as exc:  # the kill stands; the record goes when the repository answers again
-                await self._unsettled(sandbox_id, exc)
-            self.parts.gc.request("kill")
-        return killed
+        self._killing[sandbox_id] = self._killing.get(sandbox_id, 0) + 1
+        try:
+            killed = await self._kill(sandbox_id, reason=reason)
+            if killed:
+                # another node sharing the repository must not resume it any more (and ``_settle_record`` leaves
+                # this to the kill)
+                try:
+                    await trio.to_thread.run_sync(forget_published, self.parts.repository, sandbox_id,
+                                                  self.parts.owner)
+                except Exception as exc:  # the kill stands; the record goes when the repository answers again
+                    await self._unsettled(sandbox_id, exc)
+                self.parts.gc.request("kill")
+            return killed
+        finally:
+            self._killing[sandbox_id] -= 1
+            if not self._killing[sandbox_id]:
+                del self._killing[sandbox_id]
 
     async def _unsettled(self, sandbox_id: str, exc: Exception) -> None:
         log.warning("removing the repository record of %s failed (retried every %.0f s): %s", sandbox_id,
@@ -197,6 +207,8 @@ class SandboxService:
     async def _settle_record(self, sandbox_id: str) -> None:
         """A sandbox ended here without a pause or a kill (VMM died, node restarted): drop its repository
         ownership record if it still says running here (snapshot/publish.py ``settle_record``)."""
+        if sandbox_id in self._killing:
+            return  # the kill removes it itself
         try:
             await settle_record(self.db, self.parts.repository, sandbox_id, self.parts.owner)
         except Exception as exc:  # the repository may be unreachable: retried until it answers
@@ -330,7 +342,7 @@ class SandboxService:
         policy = EgressPolicy.from_e2b(allow_out, deny_out, allow_internet_access=sb.allow_internet_access)
         handle = self.registry.get(sandbox_id)
         if handle is not None:
-            await handle.slot.apply_egress(policy)
+            await self.parts.running_pool().set_egress(handle.slot, policy)
             handle.policy = policy
         stored = {k: v for k, v in (("allowOut", allow_out), ("denyOut", deny_out)) if v}
         await self.db.run(lambda s: repo.update_sandbox(s, sandbox_id, operation="update_network",

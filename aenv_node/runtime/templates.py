@@ -38,6 +38,7 @@ from ..state import (
     utcnow,
 )
 from ..snapshot.share import forget_template, import_template, publish_template, unshared_templates
+from ..snapshot.source import SnapshotSource, load_source
 from ..state.repository import record_event
 from ..templates import (
     CODE_INTERPRETER,
@@ -49,6 +50,7 @@ from ..templates import (
     BuildResult,
     ImageConverter,
     LogEntry,
+    NamedBuild,
     Recipe,
     RecipeInputs,
     TemplateBuildError,
@@ -566,10 +568,26 @@ class TemplateService:
 
     async def resolve(self, name: str) -> tuple[Template, Snapshot]:
         """The template ``name`` (an id or an alias, with ``:tag`` or not) and the boot snapshot it names."""
+        t, sn, _ = await self._resolve(name, with_source=False)
+        return t, sn
+
+    async def resolve_source(self, name: str) -> tuple[Template, Snapshot, SnapshotSource]:
+        """``resolve``, and the snapshot as a source to restore from (its memory image present), read in the
+        same transaction: a create's one read of the state before its insert."""
+        t, sn, source = await self._resolve(name, with_source=True)
+        return t, sn, await self.parts.store.prepared(source, sn.id)
+
+    async def _resolve(self, name: str, *, with_source: bool
+                       ) -> tuple[Template, Snapshot, Optional[SnapshotSource]]:
+        def read(s: Session) -> tuple[Optional[NamedBuild], Optional[SnapshotSource]]:
+            found = lookup(s, name)
+            sn = found.snapshot if found is not None else None
+            return found, (load_source(s, sn.id) if with_source and sn is not None else None)
+
         await self._wait_build_of(name)
-        found = await self.parts.db.run(lookup, name)
+        found, source = await self.parts.db.run(read)
         if found is None and split_name(name)[1] is None and await self._import(name):
-            found = await self.parts.db.run(lookup, name)  # another node of the cluster built it
+            found, source = await self.parts.db.run(read)  # another node of the cluster built it
         if found is None:
             raise TemplateNotFound(f"template {name!r} not found")
         if found.missing_tag:
@@ -581,7 +599,7 @@ class TemplateService:
         if sn is None:
             err = self._errors.get(name)
             raise TemplateNotReady(f"template {name!r} is not ready ({err or t.status}); retry shortly")
-        return t, sn
+        return t, sn, source
 
 
 def _check_tags(tags: list[str]) -> None:

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import stat
@@ -301,12 +302,15 @@ class GarbageCollector:
     exclusive section). ``interval_s``: a collection also runs this often without a request (a
     safety net for ends no hook sees). ``orphan_grace_s``: how old an unreferenced file must be
     before the start-up sweep removes it. ``patience_s``: how long a collection lets new
-    restores and captures go first (see ``_Gate``) before it holds them back.
+    restores and captures go first (see ``_Gate``) before it holds them back. ``min_gap_s``: requests made
+    sooner than this after a collection wait for it, together: under a steady create -> kill churn every kill
+    requests one, and a collection per kill (a scan of the snapshot and layer tables, under SQLite's write
+    lock) would be most of what a kill costs.
     """
 
     def __init__(self, db: Database, *, layers_dir: Path, snapshots_dir: Path,
                  live: Callable[[], Iterable[LiveStack]], orphan_grace_s: float = 3600.0,
-                 interval_s: float = 600.0, patience_s: float = 5.0) -> None:
+                 interval_s: float = 600.0, patience_s: float = 5.0, min_gap_s: float = 1.0) -> None:
         self.db = db
         self.layers_dir = Path(layers_dir)
         self.snapshots_dir = Path(snapshots_dir)
@@ -314,6 +318,7 @@ class GarbageCollector:
         self.orphan_grace_s = orphan_grace_s
         self.interval_s = interval_s
         self.patience_s = patience_s
+        self.min_gap_s = min_gap_s
         self._gate = _Gate()
         self._wanted = trio.Event()
         self._reasons: list[str] = []
@@ -330,15 +335,18 @@ class GarbageCollector:
 
     async def run(self) -> None:
         """The service loop: a collection per (coalesced) request, and every ``interval_s``."""
+        last = -math.inf
         while True:
             with trio.move_on_after(self.interval_s):
                 await self._wanted.wait()
+            await trio.sleep_until(last + self.min_gap_s)
             self._wanted = trio.Event()
             reasons, self._reasons = self._reasons, []
             try:
                 await self.collect(",".join(dict.fromkeys(reasons)) or "interval")
             except Exception:
                 log.exception("garbage collection failed; retrying at the next request")
+            last = trio.current_time()
 
     async def startup(self) -> list[Collection]:
         """The start-up pass: sweep orphan files, then collect (before any sandbox exists)."""

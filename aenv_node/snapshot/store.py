@@ -57,7 +57,11 @@ class SnapshotStore:
     async def load(self, snapshot_id: str) -> SnapshotSource:
         """The snapshot to restore from, its flat memory image present (``SnapshotNotFound`` if it is not
         committed)."""
-        source = await self.db.run(load_source, snapshot_id)
+        return await self.prepared(await self.db.run(load_source, snapshot_id), snapshot_id)
+
+    async def prepared(self, source: Optional[SnapshotSource], snapshot_id: str) -> SnapshotSource:
+        """``source`` (``load_source`` read it, in a transaction of the caller's) with its flat memory image
+        present; ``SnapshotNotFound`` when it is None."""
         if source is None:
             raise SnapshotNotFound(f"snapshot {snapshot_id} not found")
         if source.memory_from_layers and not source.memory.exists():
