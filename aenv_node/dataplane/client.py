@@ -92,6 +92,12 @@ class RemoteDisk:
             self.client.call_blocking("disk.close", sandbox_id=self.sandbox_id)
             self._closed = True
 
+    async def aclose(self) -> None:
+        """``close`` from a Trio task (no worker thread for one call)."""
+        if not self._closed:
+            await self.client.call("disk.close", sandbox_id=self.sandbox_id)
+            self._closed = True
+
 
 class RemoteProcess:
     """A VMM the data plane started (see the module docstring). Duck-types ``trio.Process`` for ``VmmProcess``."""
@@ -119,6 +125,17 @@ class RemoteProcess:
             out = self.client.call_blocking("vmm.status", pid=self.pid)
         except DataPlaneError:
             return -signal.SIGKILL  # the data plane is gone too: its reaper took the status with it
+        return self._returncode(out)
+
+    async def _status(self) -> int:
+        try:
+            out = await self.client.call("vmm.status", pid=self.pid)
+        except DataPlaneError:
+            return -signal.SIGKILL
+        return self._returncode(out)
+
+    @staticmethod
+    def _returncode(out: Any) -> int:
         rc = out.get("returncode")
         return int(rc) if rc is not None else -signal.SIGKILL
 
@@ -137,7 +154,7 @@ class RemoteProcess:
             try:
                 if self._fd is not None:
                     await trio.lowlevel.wait_readable(self._fd)
-                self._rc = await trio.to_thread.run_sync(self._status_blocking)
+                self._rc = await self._status()
             finally:
                 self._waiting.set()
                 self._waiting = None

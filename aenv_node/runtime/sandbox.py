@@ -166,7 +166,7 @@ async def run_sandbox(
                 assert dataplane is not None
                 remote = dataplane.attach_disk(sid, adopt.disk_source, adopt.layers)
                 image = remote
-                stack.push_async_callback(unless_detached(trio.to_thread.run_sync, remote.close))
+                stack.push_async_callback(unless_detached(remote.aclose))
                 src.disk_layers = list(adopt.layers)
                 m = await stack.enter_async_context(attach_machine(
                     driver, src.shape, disk_source=remote.source, slot=slot, workdir=spec.workdir,
@@ -183,7 +183,7 @@ async def run_sandbox(
                 else:
                     remote = await dataplane.open_disk(sid, src.disk_layers, spec.workdir / "upper", spec.run_dir)
                     image = remote
-                    stack.push_async_callback(unless_detached(trio.to_thread.run_sync, remote.close))
+                    stack.push_async_callback(unless_detached(remote.aclose))
                     disk_args = {"disk_source": remote.source}
                 m = await stack.enter_async_context(open_machine(
                     driver, src.shape, slot=slot, workdir=spec.workdir, run_dir=spec.run_dir, snapshot=src.files,

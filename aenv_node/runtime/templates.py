@@ -33,7 +33,6 @@ from ..state import (
     Template,
     TemplateBuild,
     TemplateKind,
-    TemplateTag,
     new_id,
     utcnow,
 )
@@ -64,8 +63,10 @@ from ..templates import (
     import_vm,
     lookup,
     parent_template,
+    remove_tags,
     prepare_code_interpreter_files,
     split_name,
+    tags_of,
     touch,
 )
 from ..vmm import FirecrackerDriver, kill_recorded
@@ -487,15 +488,9 @@ class TemplateService:
             if t is None:
                 raise TemplateNotFound(f"template {name!r} not found")
             self._check_own(t.alias or t.id)
-            wanted = list(dict.fromkeys(tags))
-            rows = [s.get(TemplateTag, (t.id, tag)) for tag in wanted]
-            missing = [tag for tag, row in zip(wanted, rows) if row is None]
+            missing = remove_tags(s, t.id, tags)
             if missing:
                 raise TemplateNotFound(f"template {name!r} has no tag {', '.join(missing)}")
-            for row in rows:
-                s.delete(row)
-            record_event(s, "template_untag", subject=EventSubject.TEMPLATE, subject_id=t.id,
-                         detail={"tags": {r.tag: r.build_id for r in rows if r is not None}})
 
         await self.parts.db.run(work)
         self.parts.gc.request("template_tags")
@@ -507,9 +502,7 @@ class TemplateService:
             t = find_template(s, split_name(name)[0])
             if t is None:
                 return None
-            rows = s.scalars(select(TemplateTag).where(TemplateTag.template_id == t.id)
-                             .order_by(TemplateTag.created_at)).all()
-            return [TagView(r.tag, r.build_id, r.created_at) for r in rows]
+            return [TagView(r.tag, r.build_id, r.created_at) for r in tags_of(s, t.id)]
 
         out = await self.parts.db.run(work)
         if out is None:

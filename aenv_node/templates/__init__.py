@@ -12,7 +12,8 @@ from .convert import ConvertedImage, ImageConverter
 from .errors import GuestExecError, GuestNotReady, ImageHasNoShell, KernelRefused, TemplateBuildError
 from .import_vm import import_vm
 from .machine import BuildMachine
-from .names import DEFAULT_TAG, NAME_PART, RESERVED_NAMES, NamedBuild, assign_tags, find_template, lookup, split_name
+from .names import (DEFAULT_TAG, NAME_PART, RESERVED_NAMES, NamedBuild, assign_tags, find_template, lookup,
+                    remove_tags, split_name, tags_of)
 from .recipe import BuildLog, LogEntry, Recipe, Step
 from .recipe_build import RecipeInputs, build_recipe, parent_template
 from .steps import StepFailed
@@ -26,7 +27,9 @@ __all__ = [
     "assign_tags",
     "find_template",
     "lookup",
+    "remove_tags",
     "split_name",
+    "tags_of",
     "code_interpreter_recipe",
     "prepare_code_interpreter_files",
     "BuildMachine",

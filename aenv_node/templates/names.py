@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session
 from ..state import EventSubject, Snapshot, SnapshotStatus, Template, TemplateBuild, TemplateTag, utcnow
 from ..state.repository import record_event
 
-__all__ = ["DEFAULT_TAG", "NAME_PART", "RESERVED_NAMES", "NamedBuild", "assign_tags", "find_template", "lookup", "split_name"]
+__all__ = ["DEFAULT_TAG", "NAME_PART", "RESERVED_NAMES", "NamedBuild", "assign_tags", "find_template", "lookup",
+           "remove_tags", "split_name", "tags_of"]
 
 #: what a bare template name means
 DEFAULT_TAG = "default"
@@ -100,3 +101,24 @@ def assign_tags(s: Session, template_id: str, build_id: str, tags: list[str]) ->
         record_event(s, "template_tag", subject=EventSubject.TEMPLATE, subject_id=template_id,
                      detail={"build_id": build_id, "tags": moved})
     return moved
+
+
+def remove_tags(s: Session, template_id: str, tags: list[str]) -> list[str]:
+    """Remove ``tags`` from ``template_id``, with one event. Returns the tags it does not have; then nothing
+    is removed."""
+    wanted = list(dict.fromkeys(tags))
+    rows = [s.get(TemplateTag, (template_id, tag)) for tag in wanted]
+    missing = [tag for tag, row in zip(wanted, rows) if row is None]
+    if missing:
+        return missing
+    for row in rows:
+        s.delete(row)
+    record_event(s, "template_untag", subject=EventSubject.TEMPLATE, subject_id=template_id,
+                 detail={"tags": {r.tag: r.build_id for r in rows if r is not None}})
+    return []
+
+
+def tags_of(s: Session, template_id: str) -> list[TemplateTag]:
+    """The tags of ``template_id``, oldest first."""
+    return list(s.scalars(select(TemplateTag).where(TemplateTag.template_id == template_id)
+                          .order_by(TemplateTag.created_at)))

@@ -156,7 +156,7 @@ _LINK_SCRIPT = (
 
 #: writes the shell's own pid (which the VMM keeps: everything after it execs in place), then execs
 #: (one write of a few bytes: a reader sees no file, or all of it; the writer is never killed by our crash)
-_PID_SCRIPT = 'echo $$ > "$1" || exit 125; shift; exec "$@"'
+_PID_SCRIPT = 'echo $$ > "$1" || exit 125; shift; '
 
 
 def read_pid_file(path: Path) -> int | None:
@@ -277,11 +277,15 @@ async def vmm_process(
             full_argv = [*seccomp.exec_prefix(helper), *full_argv]
         else:
             preexec = seccomp.install  # two prctl() calls through pre-built ctypes objects in the child
+    # one shell in front of all that (an exec less per start than a shell for each):
+    script, script_args = "", []
+    if cgroup is not None:  # first of all: nothing of the VMM runs outside its limits
+        script += cgroup.join_script()
     if pid_file is not None:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
-        full_argv = ["/bin/sh", "-c", _PID_SCRIPT, "sh", str(pid_file), *full_argv]
-    if cgroup is not None:  # first of all: nothing of the VMM runs outside its limits
-        full_argv = ["/bin/sh", "-c", cgroup.join_script() + 'exec "$@"', "sh", *full_argv]
+        script, script_args = script + _PID_SCRIPT, [str(pid_file)]
+    if script:
+        full_argv = ["/bin/sh", "-c", script + 'exec "$@"', "sh", *script_args, *full_argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc: ChildProcess
     if spawner is not None:
