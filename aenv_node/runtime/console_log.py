@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -101,6 +102,8 @@ class ConsoleLog:
         if self.offset is None:
             self.offset = (await self.db.run(console_offset, self.sandbox_id, self.run_name)
                            if self.taken_over else 0)
+        if not final and self._size() == self.offset:
+            return 0  # nothing new: no worker thread for an idle console (two polls a second per running sandbox)
         chunk = await trio.to_thread.run_sync(self._read_chunk, self.offset)
         self.offset += len(chunk)
         data = self.partial + chunk
@@ -126,6 +129,14 @@ class ConsoleLog:
                               run=self.run_name, bytes_read=self.offset - len(self.partial))
             self.lines_written += len(out)
         return len(chunk)
+
+    def _size(self) -> Optional[int]:
+        """The console file's size. A ``stat`` in the event loop: of a local file the VMM keeps open (its inode
+        is in memory), it does not wait on the disk the way a read may."""
+        try:
+            return os.stat(self.path).st_size
+        except OSError:
+            return None
 
     def _read_chunk(self, offset: int) -> bytes:
         try:

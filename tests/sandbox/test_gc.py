@@ -420,6 +420,40 @@ async def test_a_collection_waits_for_pins(world: _World) -> None:
     assert not world.exists(u) and world.status("snp_gone") == "collected"
 
 
+async def test_requests_within_the_minimum_gap_wait_and_share_one_collection(world: _World) -> None:
+    """A kill requests a collection; under a churn of kills the loop collects at most once per ``min_gap_s``,
+    every request of the gap served by the next one (its reasons joined)."""
+    import trio
+
+    gc_events = "SELECT detail FROM events WHERE operation = 'gc' ORDER BY id"
+    base = world.layer("base")
+    world.gc.min_gap_s = 1.0
+    async with trio.open_nursery() as n:
+        n.start_soon(world.gc.run)
+        world.snapshot("snp_a", "pause", [base, world.layer("a")], source="ia")
+        world.gc.request("kill")
+        with trio.fail_after(5):
+            while world.status("snp_a") != "collected":  # the first request of a quiet loop: collected at once
+                await trio.sleep(0.02)
+        t0 = trio.current_time()
+        world.snapshot("snp_b", "pause", [base, world.layer("b")], source="ib")
+        world.gc.request("kill")
+        await trio.sleep(0.3)
+        world.snapshot("snp_c", "pause", [base, world.layer("c")], source="ic")
+        world.gc.request("snapshot_delete")
+        await trio.sleep(0.3)
+        assert world.status("snp_b") == "committed"  # within the gap: not yet
+        with trio.fail_after(5):
+            while world.status("snp_c") != "collected":
+                await trio.sleep(0.02)
+        assert trio.current_time() - t0 >= 0.9 and world.status("snp_b") == "collected"
+        n.cancel_scope.cancel()
+    with world.db.session() as s:
+        ev = [json.loads(d) for d in s.execute(text(gc_events)).scalars()]
+    assert [(e["reason"], sorted(e["snapshots"])) for e in ev] == [
+        ("kill", ["snp_a"]), ("kill,snapshot_delete", ["snp_b", "snp_c"])]
+
+
 async def test_startup_sweep_rules(world: _World) -> None:
     base = world.layer("base")
     world.snapshot("snp_boot", "boot", [base])
