@@ -9,6 +9,10 @@ We do not use PR_SET_PDEATHSIG: Trio spawns processes from a worker thread, and 
 *thread* exits, not the node. VMM processes orphaned by a node crash are the reconciler's job; drivers name
 them (`-name` / `--id`) so it can find them.
 
+A VMM starts behind ``aenv-vmm-exec`` (``native/vmm_exec.c``) where set-up compiled it: one small program
+joins its cgroup, writes its pid file, enters its network namespace and makes its stable links, then execs
+it, where a shell, ``nsenter``, ``unshare`` and another shell did (still the fallback; ``_launch_argv``).
+
 A node with a data plane starts its VMMs there (a `Spawner`: the process is the data plane's child, so it
 outlives the node); `adopted_process` takes over one a previous run of the node started. Either way the
 `VmmProcess` here holds something that behaves as a `ChildProcess`.
@@ -21,8 +25,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,9 @@ from .errors import VmmExited, VmmNotInstalled, VmmStartError
 from .seccomp import SeccompFilter, exec_helper
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+#: the native launcher's name (``native/vmm_exec.c``); set-up installs it next to the venv's python
+VMM_EXEC_HELPER = "aenv-vmm-exec"
 
 
 class ChildProcess(Protocol):
@@ -221,6 +229,69 @@ class StableLinks:
             argv += [str(target), str(self.dir / name)]
         return [*argv, "--"]
 
+    def helper_args(self) -> list[str]:
+        """The same for ``aenv-vmm-exec`` (``--links DIR --link TARGET PATH ...``)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        args = ["--links", str(self.dir)]
+        for name, target in self.links:
+            args += ["--link", str(target), str(self.dir / name)]
+        return args
+
+
+def vmm_exec_helper() -> Path | None:
+    """The installed ``aenv-vmm-exec`` (``native/vmm_exec.c``, next to this interpreter), or None."""
+    p = Path(sys.executable).parent / VMM_EXEC_HELPER
+    return p if os.access(p, os.X_OK) else None
+
+
+def _launch_argv(argv: Sequence[str], *, netns: Path | None, stable_links: MountWrapper | None,
+                 seccomp: SeccompFilter | None, pid_file: Path | None, cgroup: VmmCgroup | None
+                 ) -> tuple[list[str], Callable[[], None] | None]:
+    """The command that starts ``argv`` as ``vmm_process`` documents (every step execs in place, so the pid
+    is the VMM's), and the ``preexec_fn`` it needs (None: a vfork). In order: the cgroup joined, the pid
+    written, the network namespace entered, the mount namespace and its links made, the seccomp filter
+    installed. With ``aenv-vmm-exec`` the first four are one small program; without it (a node whose set-up
+    did not compile it), a shell, ``nsenter``, ``unshare`` and another shell: four execs more per start."""
+    full = list(argv)
+    helper = vmm_exec_helper()
+    links = stable_links if isinstance(stable_links, StableLinks) and helper is not None else None
+    if stable_links is not None and links is None:  # (a jailer's bind mounts: its own wrapper, innermost)
+        full = [*stable_links.exec_prefix(), *full]
+    preexec: Callable[[], None] | None = None
+    if helper is not None:
+        if seccomp is not None:  # last of all: the filter covers the VMM from its first instruction
+            full, preexec = _with_seccomp(full, seccomp)
+        opts: list[str] = []
+        for d in cgroup.dirs if cgroup is not None else ():  # first of all: nothing runs outside its limits
+            opts += ["--cgroup", str(d)]
+        if pid_file is not None:
+            opts += ["--pid-file", str(pid_file)]
+        if netns is not None:
+            opts += ["--netns", str(netns)]
+        if links is not None:
+            opts += links.helper_args()
+        return [str(helper), *opts, "--", *full], preexec
+    if netns is not None:  # nsenter execs the VMM in place: the pid we hold is the VMM's
+        full = ["nsenter", f"--net={netns}", "--", *full]
+    if seccomp is not None:
+        full, preexec = _with_seccomp(full, seccomp)
+    # one shell in front of all that (an exec less per start than a shell for each):
+    script, script_args = "", []
+    if cgroup is not None:
+        script += cgroup.join_script()
+    if pid_file is not None:
+        script, script_args = script + _PID_SCRIPT, [str(pid_file)]
+    if script:
+        full = ["/bin/sh", "-c", script + 'exec "$@"', "sh", *script_args, *full]
+    return full, preexec
+
+
+def _with_seccomp(full: list[str], seccomp: SeccompFilter) -> tuple[list[str], Callable[[], None] | None]:
+    helper = exec_helper()
+    if helper is not None:  # it installs the filter and execs: the pid stays the VMM's
+        return [*seccomp.exec_prefix(helper), *full], None
+    return full, seccomp.install  # two prctl() calls through pre-built ctypes objects in the child
+
 
 @asynccontextmanager
 async def vmm_process(
@@ -246,8 +317,8 @@ async def vmm_process(
     `stable_links`: run the VMM in a private mount namespace where `stable_links.dir` is a tmpfs holding
     symlinks `name -> target`, so the VMM sees the same paths in every process (see `StableLinks`), or
     where another ``MountWrapper`` mounted what it needs.
-    `seccomp`: a filter the VMM (and `nsenter` before it) runs under from its first instruction: installed
-    by the `aenv-seccomp-exec` helper when it is installed, else in the child between fork and exec (which
+    `seccomp`: a filter the VMM runs under from its first instruction: installed by the `aenv-seccomp-exec`
+    helper (the last before the VMM) when it is installed, else in the child between fork and exec (which
     costs a fork of this process instead of a vfork; see `seccomp.py`).
     `pid_file`: the child writes its pid there before anything else runs; every wrapper execs
     in place, so it is the VMM's pid. Written by the child, not by us after the spawn: a node killed between
@@ -262,30 +333,12 @@ async def vmm_process(
         raise VmmNotInstalled(f"VMM binary not found or not executable: {exe}")
     for s in sockets:
         s.unlink(missing_ok=True)
-    full_argv = list(argv)
-    if stable_links is not None:
-        full_argv = [*stable_links.exec_prefix(), *full_argv]
-    if netns is not None:
-        if not netns.exists():
-            raise VmmStartError(f"network namespace {netns} does not exist")
-        # nsenter execs the VMM in place: the pid we hold is the VMM's.
-        full_argv = ["nsenter", f"--net={netns}", "--", *full_argv]
-    preexec = None
-    if seccomp is not None:
-        helper = exec_helper()
-        if helper is not None:  # it installs the filter and execs: the pid stays the VMM's
-            full_argv = [*seccomp.exec_prefix(helper), *full_argv]
-        else:
-            preexec = seccomp.install  # two prctl() calls through pre-built ctypes objects in the child
-    # one shell in front of all that (an exec less per start than a shell for each):
-    script, script_args = "", []
-    if cgroup is not None:  # first of all: nothing of the VMM runs outside its limits
-        script += cgroup.join_script()
+    if netns is not None and not netns.exists():
+        raise VmmStartError(f"network namespace {netns} does not exist")
     if pid_file is not None:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
-        script, script_args = script + _PID_SCRIPT, [str(pid_file)]
-    if script:
-        full_argv = ["/bin/sh", "-c", script + 'exec "$@"', "sh", *script_args, *full_argv]
+    full_argv, preexec = _launch_argv(argv, netns=netns, stable_links=stable_links, seccomp=seccomp,
+                                      pid_file=pid_file, cgroup=cgroup)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc: ChildProcess
     if spawner is not None:

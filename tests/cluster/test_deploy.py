@@ -142,8 +142,8 @@ def test_systemd_install_script_installs_units_that_run(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in units.iterdir()) == ["aenv-gateway.service", "aenv-node.service",
                                                         "aenv-scheduler.service"]
-    # a node's pieces: the venv's CLI, the seccomp helper beside it, Firecracker and its jailer
-    for tool in ("aenv-node", "aenv-seccomp-exec"):
+    # a node's pieces: the venv's CLI, the VMM launch helpers beside it, Firecracker and its jailer
+    for tool in ("aenv-node", "aenv-seccomp-exec", "aenv-vmm-exec"):
         assert os.access(prefix / "venv" / "bin" / tool, os.X_OK), tool
     assert all(os.access(Path("/opt/aenv/bin") / b, os.X_OK) for b in ("firecracker", "jailer"))
     assert (etc / "cluster.env").stat().st_mode & 0o077 == 0
