@@ -20,6 +20,7 @@ found by the reconciler): the same task, entered at the point where the sandbox 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 import time
@@ -159,14 +160,17 @@ async def run_sandbox(
                         await _shielded(fn, *args)
                 return cleanup
 
+            # the slot and the disk are given back together once the VMM is gone (neither waits for the other)
+            releases: list[Callable[[], Awaitable[None]]] = []
+            stack.push_async_callback(_all_at_once, releases)
             slot = adopt.slot if adopt is not None else await pool.acquire(spec.policy)
-            stack.push_async_callback(unless_detached(pool.release, slot))
+            releases.append(unless_detached(pool.release, slot))
             image: LiveDisk
             if adopt is not None:
                 assert dataplane is not None
                 remote = dataplane.attach_disk(sid, adopt.disk_source, adopt.layers)
                 image = remote
-                stack.push_async_callback(unless_detached(remote.aclose))
+                releases.append(unless_detached(remote.aclose))
                 src.disk_layers = list(adopt.layers)
                 m = await stack.enter_async_context(attach_machine(
                     driver, src.shape, disk_source=remote.source, slot=slot, workdir=spec.workdir,
@@ -178,12 +182,12 @@ async def run_sandbox(
                 if dataplane is None:
                     local = await trio.to_thread.run_sync(open_image, src.disk_layers, spec.workdir / "upper", cache)
                     image = local
-                    stack.push_async_callback(_shielded, trio.to_thread.run_sync, local.close)
+                    releases.append(functools.partial(_shielded, trio.to_thread.run_sync, local.close))
                     disk_args: dict[str, object] = {"disk": local}
                 else:
                     remote = await dataplane.open_disk(sid, src.disk_layers, spec.workdir / "upper", spec.run_dir)
                     image = remote
-                    stack.push_async_callback(unless_detached(remote.aclose))
+                    releases.append(unless_detached(remote.aclose))
                     disk_args = {"disk_source": remote.source}
                 m = await stack.enter_async_context(open_machine(
                     driver, src.shape, slot=slot, workdir=spec.workdir, run_dir=spec.run_dir, snapshot=src.files,
@@ -284,6 +288,14 @@ def _remove_dirs(*dirs: Path) -> None:
 async def _shielded(fn: Callable[..., Awaitable[object]], *args: object) -> None:
     with trio.CancelScope(shield=True):
         await fn(*args)
+
+
+async def _all_at_once(releases: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run each release (each shields itself) concurrently, and every one of them whatever another raises."""
+    with trio.CancelScope(shield=True):
+        async with trio.open_nursery() as nursery:
+            for release in releases:
+                nursery.start_soon(release)
 
 
 async def _take_over(m: Machine, adopt: Adoption, spec: SandboxSpec) -> None:
