@@ -162,8 +162,8 @@ _LINK_SCRIPT = (
 )
 
 
-#: writes the shell's own pid (which the VMM keeps: everything after it execs in place), then execs
-#: (one write of a few bytes: a reader sees no file, or all of it; the writer is never killed by our crash)
+#: writes the shell's own pid (which the VMM keeps: everything after it execs in place); the caller appends the
+#: exec (one write of a few bytes: a reader sees no file, or all of it; the writer is never killed by our crash)
 _PID_SCRIPT = 'echo $$ > "$1" || exit 125; shift; '
 
 
@@ -248,10 +248,11 @@ def _launch_argv(argv: Sequence[str], *, netns: Path | None, stable_links: Mount
                  seccomp: SeccompFilter | None, pid_file: Path | None, cgroup: VmmCgroup | None
                  ) -> tuple[list[str], Callable[[], None] | None]:
     """The command that starts ``argv`` as ``vmm_process`` documents (every step execs in place, so the pid
-    is the VMM's), and the ``preexec_fn`` it needs (None: a vfork). In order: the cgroup joined, the pid
-    written, the network namespace entered, the mount namespace and its links made, the seccomp filter
-    installed. With ``aenv-vmm-exec`` the first four are one small program; without it (a node whose set-up
-    did not compile it), a shell, ``nsenter``, ``unshare`` and another shell: four execs more per start."""
+    is the VMM's), and the ``preexec_fn`` it needs (None: a vfork). With ``aenv-vmm-exec``, in order: the
+    cgroup joined, the pid written, the network namespace entered, the mount namespace and its links made (one
+    small program), then the seccomp filter installed. Without it (a node whose set-up did not compile it), a
+    shell joins the cgroup and writes the pid, the filter is installed, then ``nsenter``, ``unshare`` and
+    another shell do the rest, under the filter: four execs more per start."""
     full = list(argv)
     helper = vmm_exec_helper()
     links = stable_links if isinstance(stable_links, StableLinks) and helper is not None else None
