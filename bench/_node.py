@@ -232,11 +232,18 @@ def sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         signal.raise_signal(signal.SIGINT)
 
+    # A shell without job control starts background jobs with SIGINT ignored: the re-raised signal would do
+    # nothing and the bench would sleep on through a SIGTERM. Python's own handler goes back in for the while.
+    old_int = signal.getsignal(signal.SIGINT)
+    if old_int is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     old = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+        if old_int is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
