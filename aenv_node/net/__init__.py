@@ -14,7 +14,8 @@ Public face:
 * ``DnsForwarder`` + ``Resolver``: the node's DNS for its guests; ``EgressProxy``: the domain check of
   ``allowOut`` names (SNI / Host).
 
-Everything runs the ``ip``, ``nft``, ``nsenter`` (and optionally ``conntrack``) commands as root.
+Everything runs the ``ip``, ``nft`` and ``nsenter`` commands as root (and flushes a slot's connection
+tracking over netlink).
 """
 
 from .dns import DnsForwarder, Resolver, host_nameservers

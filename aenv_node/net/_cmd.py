@@ -7,7 +7,8 @@ namespace happens in a child process (``ip -n``, ``nsenter --net``), never by ``
 Trio's reused worker threads, where a forgotten switch back would silently move unrelated work into a
 sandbox's namespace; and every step is a command an operator can replay by hand while debugging.
 The price is a few process spawns per slot (a few ms each), paid by the warm pool's refiller, not by
-``acquire()``.
+``acquire()``. The one step every sandbox's release runs, the conntrack flush, is done in-process instead
+(``conntrack.py``: one netlink message, from a thread of its own that ends after entering the namespace).
 """
 
 from __future__ import annotations

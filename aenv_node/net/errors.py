@@ -22,7 +22,7 @@ class NetError(Exception):
 
 
 class NetCommandError(NetError):
-    """A host networking command (``ip``, ``nft``, ``conntrack``, ``nsenter``) failed."""
+    """A host networking command (``ip``, ``nft``, ``nsenter``) failed."""
 
     def __init__(self, argv: Sequence[str], returncode: int, stderr: str, *, context: str = ""):
         self.argv = list(argv)

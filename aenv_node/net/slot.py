@@ -34,10 +34,12 @@ import re
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
-from ._cmd import IGNORED_ON_DELETE, netns_path, run, run_in_netns, which
+from . import conntrack
+from ._cmd import IGNORED_ON_DELETE, netns_path, run, run_in_netns
 from .egress import EgressPolicy, apply_egress, blocked_set, egress_chain_rules, redirect_chain_rules
 from .errors import NetCommandError, NetError, SlotError
 
@@ -236,13 +238,13 @@ class Slot:
         """See ``egress.apply_egress``."""
         await apply_egress(self, policy, replace=replace)
 
-    async def reset(self, policy: EgressPolicy | None = None, *, keep_default_egress: bool = False) -> None:
+    async def reset(self, *, keep_default_egress: bool = False) -> None:
         """Make the slot fit for another sandbox: its connection-tracking table is flushed (no NAT or
-        "established" state survives from the previous guest) and the egress policy replaced
-        (default: allow all but the always-blocked ranges). ``keep_default_egress``: the caller knows the
-        slot still has the default policy (``SlotPool`` tracks it), so ``nft`` is not run to set it again."""
-        if policy is not None or not keep_default_egress:
-            await self.apply_egress(policy or EgressPolicy())
+        "established" state survives from the previous guest) and the default egress policy put back (allow
+        all but the always-blocked ranges). ``keep_default_egress``: the caller knows the slot still has the
+        default policy (``SlotPool`` tracks it), so ``nft`` is not run to set it again."""
+        if not keep_default_egress:
+            await self.apply_egress(EgressPolicy())
         await flush_conntrack(self)
 
     async def destroy(self) -> None:
@@ -423,17 +425,9 @@ async def open_slot(
 
 
 async def flush_conntrack(slot: Slot) -> None:
-    """Flush the slot namespace's connection-tracking table (``conntrack -F``). Skipped with a
-    warning when the ``conntrack`` tool is missing: the egress policy is checked per packet, so
-    stale entries cannot grant a new sandbox access; they only linger until they time out."""
-    if not which("conntrack"):
-        log.warning("conntrack not installed: slot %d's connection table not flushed", slot.index)
-        return
-    await run_in_netns(
-        slot.netns,
-        ["conntrack", "-F"],
-        context=f"flushing connection tracking of slot {slot.index}",
-    )
+    """Flush the slot namespace's connection-tracking table (what ``conntrack -F`` does, over netlink:
+    net/conntrack.py)."""
+    await conntrack.flush_table(Path(slot.netns_path), context=f"flushing connection tracking of slot {slot.index}")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from aenv_node.net import (
     list_slots,
     open_slot,
 )
+
+from aenv_node.net.conntrack import flush_table
 
 from .conftest import Lab, leftovers
 
@@ -162,3 +165,12 @@ async def test_reset_flushes_connection_tracking(lab: Lab) -> None:
         assert lab.inet_ip in entries()
         await slot.reset()
         assert lab.inet_ip not in entries()
+
+
+async def test_a_flush_of_a_namespace_that_is_gone_says_which(tmp_path: Path) -> None:
+    with pytest.raises(SlotError, match=r"flushing slot 7: .*No such file"):
+        await flush_table(tmp_path / "no-such-netns", context="flushing slot 7")
+    not_a_netns = tmp_path / "file"
+    not_a_netns.write_text("")
+    with pytest.raises(SlotError, match=r"setns into"):
+        await flush_table(not_a_netns, context="flushing slot 7")
