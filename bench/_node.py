@@ -80,10 +80,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (its threads, not its children)."""
+def process_cpu_s(pid: int, *, children: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (its threads), or with ``children`` those of the children
+    it has waited for (the programs it ran and saw end)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    first = 13 if children else 11  # cutime, cstime after utime, stime
+    return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -166,11 +168,14 @@ class BenchNode:
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds (user + system) the node's control plane and its data plane have used so far; their
         difference over a phase, divided by its operations, is the node's CPU per operation (the VMMs and the
-        guests are not in it)."""
+        guests are not in it). With the data plane on, ``control_plane_commands`` is what the programs the
+        control plane ran (``ip``, ``nft``, ``nsenter``...) used: its only children then, as the data plane
+        starts the VMMs (without it, the VMMs are the control plane's children too, so it is left out)."""
         out = {"control_plane": process_cpu_s(self.proc.pid)}
         run_dir = load_config(environ={}, overrides={"node": {"state_dir": str(self.state_dir)}}).run_dir
         with contextlib.suppress(OSError, ValueError):
             out["data_plane"] = process_cpu_s(int((run_dir / "dataplane.pid").read_text()))
+            out["control_plane_commands"] = process_cpu_s(self.proc.pid, children=True)
         return out
 
     def sql(self, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
