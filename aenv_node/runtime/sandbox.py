@@ -209,10 +209,10 @@ async def run_sandbox(
                 detail: dict[str, object] = {"restore_ms": round((t_restored - t0) * 1000, 1)}
                 if adopt is not None:
                     detail = {"reason": "taken over after a restart of the node", "left_in": adopt.left_in.value}
-                return repo.transition(s, sid, S.RUNNING, operation=spec.operation,
-                                       duration_ms=duration_ms, vmm_pid=m.vm.pid,
-                                       slot_index=slot.index, workdir=str(spec.workdir),
-                                       snapshot_id=src.snapshot_id, detail=detail)
+                repo.transition(s, sid, S.RUNNING, operation=spec.operation, duration_ms=duration_ms,
+                                vmm_pid=m.vm.pid, slot_index=slot.index, workdir=str(spec.workdir),
+                                snapshot_id=src.snapshot_id, detail=detail)
+                return repo.get_sandbox(s, sid)
 
             handle.record = await db.run(ready)
             live[sid] = handle
