@@ -266,10 +266,10 @@ async def run_sandbox(
 
                 def final(s: Session) -> None:
                     repo.release_slot_of(s, sid)
-                    sb = s.get(Sandbox, sid)
-                    if sb is None:
+                    state = repo.state_of(s, sid)
+                    if state is None:
                         return
-                    _record_end(s, sb, S(sb.state), reason=reason, error=error, paused_in=paused_in,
+                    _record_end(s, sid, state, reason=reason, error=error, paused_in=paused_in,
                                 operation=spec.operation)
 
                 try:
@@ -333,10 +333,9 @@ async def _init_or_exit(vm: Vm, address: str, spec: SandboxSpec) -> None:
         raise failure
 
 
-def _record_end(s: Session, sb: Sandbox, current: SandboxState, *, reason: str, error: Optional[str],
+def _record_end(s: Session, sid: str, current: SandboxState, *, reason: str, error: Optional[str],
                 paused_in: Optional[str], operation: str) -> None:
     """The final, truthful state of a sandbox whose task ended."""
-    sid = sb.id
     if current == S.PAUSING and paused_in is not None:
         repo.transition(s, sid, S.PAUSED, operation="pause", snapshot_id=paused_in, vmm_pid=None, slot_index=None)
         return

@@ -32,6 +32,7 @@ __all__ = [
     "insert_sandbox",
     "transition",
     "get_sandbox",
+    "state_of",
     "record_event",
     "update_sandbox",
     "live_sandboxes",
@@ -122,6 +123,13 @@ def insert_sandbox(session: Session, sandbox: Sandbox, *, operation: str = "crea
     return sandbox
 
 
+def state_of(session: Session, sandbox_id: str) -> Optional[SandboxState]:
+    """A sandbox's state (None: no such sandbox), without loading its row."""
+    session.flush()
+    state = session.execute(_STATE_OF, {"sandbox_id": sandbox_id}).scalar()
+    return None if state is None else SandboxState(state)
+
+
 def get_sandbox(session: Session, sandbox_id: str, *, include_killed: bool = False) -> Sandbox:
     sb = session.get(Sandbox, sandbox_id)
     if sb is None or (not include_killed and sb.state == S.KILLED):
@@ -146,11 +154,9 @@ def transition(
     ``expect`` narrows the states the sandbox may be in (e.g. pause only from
     running); the lifecycle graph is always enforced.
     """
-    session.flush()  # the ORM's pending changes first: the row may be new in this transaction
-    state = session.execute(_STATE_OF, {"sandbox_id": sandbox_id}).scalar()
-    if state is None:
+    current = state_of(session, sandbox_id)  # (flushes the ORM's pending changes: the row may be new)
+    if current is None:
         raise NotFound(f"sandbox {sandbox_id} not found")
-    current = SandboxState(state)
     if expect is not None and current not in set(expect):
         raise IllegalTransition(sandbox_id, current, to_state, operation)
     if to_state != current and to_state not in ALLOWED_TRANSITIONS[current]:
