@@ -26,6 +26,7 @@ their last periodic snapshot when the node next starts, as a crash of the whole 
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -378,3 +379,5 @@ async def serve_dataplane(run_dir: Path, cache: Optional[LayerSourceProvider] = 
             sock.unlink(missing_ok=True)
             if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
                 pid_file.unlink()
+            with contextlib.suppress(OSError):  # the node's directory under /run, if nothing is left in it
+                run_dir.rmdir()

@@ -28,6 +28,7 @@ everything at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -133,3 +134,7 @@ async def run_node(
         with trio.CancelScope(shield=True):
             await node.unregister(error=error)
             node.db.close()
+        # the node's directory under /run, if nothing is left in it (a data plane that runs on keeps its socket
+        # there, and removes the directory when it stops)
+        with contextlib.suppress(OSError):
+            node.cfg.run_dir.rmdir()

@@ -61,8 +61,10 @@ async def test_reconcilers_run_before_services_and_shutdown_stops_all(node_confi
     async with trio.open_nursery() as nursery:
         await nursery.start(lambda task_status: run_node(node, handle_signals=False, task_status=task_status))
         assert log == ["reconcile", "start a", "start b"]
+        node_config.run_dir.mkdir(parents=True, exist_ok=True)  # (what a sandbox's start makes)
         node.request_shutdown()
     assert sorted(log[3:]) == ["stop a", "stop b"]
+    assert not node_config.run_dir.exists()  # the node's directory under /run went with it: it was empty
     db = Database(node_config.database_path)
     with db.session() as s:
         assert s.get(NodeRow, node.node_id).state == "stopped"

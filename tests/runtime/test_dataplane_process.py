@@ -203,3 +203,23 @@ async def test_a_failed_disk_server_ends_only_its_own_sandbox(plane: tuple[DataP
         p.close()
     await trio.to_thread.run_sync(bad.close)  # the control plane's teardown: the disk is gone already
     await trio.to_thread.run_sync(good.close)
+
+
+async def test_a_stopped_data_plane_leaves_nothing_under_run(tmp_path: Path) -> None:
+    """Its socket, its pid file and, when nothing else is in it, the node's run directory go with it (one empty
+    directory under /run was left by every node that ever ran)."""
+    for other in (False, True):
+        run_dir = Path(tempfile.mkdtemp(prefix="aenv-dp-", dir="/tmp")) / "node"
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve_dataplane, run_dir)
+                if other:  # a sandbox's directory the control plane still has there
+                    (run_dir / "sbx1").mkdir()
+                assert (run_dir / "dataplane.sock").exists() and (run_dir / "dataplane.pid").exists()
+                nursery.cancel_scope.cancel()
+            if other:
+                assert [p.name for p in run_dir.iterdir()] == ["sbx1"]
+            else:
+                assert not run_dir.exists()
+        finally:
+            shutil.rmtree(run_dir.parent, ignore_errors=True)
