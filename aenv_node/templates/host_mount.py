@@ -127,10 +127,11 @@ async def mount_for_change(layers: Sequence[Path], *, size: int, upper_dir: Path
             mounted.sealed = sealed
     finally:
         with trio.CancelScope(shield=True):
-            try:
-                mnt.rmdir()
-            except OSError:
-                pass
+            for made in (mnt, run_dir):  # (run_dir only if nothing else is in it)
+                try:
+                    made.rmdir()
+                except OSError:
+                    pass
             await trio.to_thread.run_sync(image.close)
             shutil.rmtree(upper_dir, ignore_errors=True)
 

@@ -63,7 +63,7 @@ async def test_a_change_becomes_one_layer_the_next_mount_sees(tmp_path: Path, em
                                 layers_dir=layers) as fs:
         assert (fs.root / "etc" / "motd").exists()
     assert sorted(p.name for p in layers.iterdir()) == sorted([empty_fs.name, first.name])
-    assert not (tmp_path / "up").exists()
+    assert not (tmp_path / "up").exists() and not run.exists()
 
 
 async def test_a_failure_inside_leaves_nothing(tmp_path: Path, empty_fs: Path) -> None:
@@ -77,6 +77,7 @@ async def test_a_failure_inside_leaves_nothing(tmp_path: Path, empty_fs: Path) -
             raise RuntimeError("boom")
     assert set(layers.iterdir()) == before
     assert not _loops_on(str(tmp_path)) and not _mounts_under(str(tmp_path)) and not (tmp_path / "up").exists()
+    assert not (tmp_path / "run").exists()
 
 
 async def test_a_cancelled_change_leaves_nothing(tmp_path: Path, empty_fs: Path) -> None:
