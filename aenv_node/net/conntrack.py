@@ -8,25 +8,22 @@ it is written here: one ``IPCTNL_MSG_CT_DELETE`` with no tuple is the kernel's "
 ``AF_UNSPEC`` in its header makes it flush IPv4 and IPv6 alike (what ``conntrack -F`` does per family).
 A netlink library (pyroute2) would have been a large dependency for one message of 20 bytes.
 
-The socket has to be made inside the slot's namespace: a netlink socket belongs to the namespace of the
-thread that created it, for the socket's whole life. ``setns`` moves only the calling thread, so a short
-thread of its own enters the namespace, makes the socket and ends; no thread shared with other work (trio's
-worker threads) ever changes namespace. The request and its acknowledgement then go over that socket from
-the caller's worker thread.
+The socket has to be made inside the slot's namespace (a netlink socket belongs to the namespace of the
+thread that created it): a short thread of its own makes it (``aenv_node/netns.py``). The request and its
+acknowledgement then go over that socket from the caller's worker thread.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import socket
 import struct
-import threading
 from pathlib import Path
 
 import trio
 
+from ..netns import call_in_netns
 from .errors import SlotError
 
 __all__ = ["flush_table"]
@@ -37,13 +34,9 @@ IPCTNL_MSG_CT_DELETE = 2
 NLM_F_REQUEST = 0x1
 NLM_F_ACK = 0x4
 NLMSG_ERROR = 0x2
-CLONE_NEWNET = 0x40000000
 
 _NLMSGHDR = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
 _NFGENMSG = struct.Struct("=BBH")  # family, version (NFNETLINK_V0), resource id (big-endian; 0)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 def flush_request(seq: int) -> bytes:
     """The netlink message asking ctnetlink to delete every entry of every family."""
@@ -53,29 +46,10 @@ def flush_request(seq: int) -> bytes:
 
 
 def _socket_in(netns: Path) -> socket.socket:
-    """A netfilter netlink socket of the namespace at ``netns``, made by a thread that ends right after."""
-    made: list[socket.socket] = []
-    failed: list[BaseException] = []
-
-    def enter_and_make() -> None:
-        try:
-            fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER))
-        except BaseException as exc:  # handed to the caller below
-            failed.append(exc)
-
-    t = threading.Thread(target=enter_and_make, name="aenv-netns-socket")
-    t.start()
-    t.join()
-    if failed:
-        raise failed[0]
-    return made[0]
+    """A netfilter netlink socket of the namespace at ``netns`` (made by a thread of its own: ``netns.py``)."""
+    return call_in_netns(
+        netns, lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
+    )
 
 
 def _flush_sync(netns: Path) -> None:

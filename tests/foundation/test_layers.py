@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "aenv_node"
 
 #: a package may import packages of a lower rank only (``(top)`` is ``aenv_node/__init__``: the version)
-RANK = {"(top)": -1, "guest": 0, "config": 0, "faults": 0, "state": 1, "storage": 2, "vmm": 2, "net": 2, "images": 2, "dataplane": 3,
+RANK = {"(top)": -1, "guest": 0, "config": 0, "faults": 0, "netns": 0, "state": 1, "storage": 2, "vmm": 2, "net": 2, "images": 2, "dataplane": 3,
         "snapshot": 4, "templates": 5, "runtime": 6, "api": 7, "cluster": 8, "cli": 9}
 
 

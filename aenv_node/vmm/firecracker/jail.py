@@ -33,18 +33,17 @@ makes the slot's tap so before it starts.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
 import shutil
 import stat
 import struct
-import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...netns import call_in_netns
 from ..driver import VmConfig
 from ..errors import SnapshotError, VmmConfigError, VmmStartError
 
@@ -321,36 +320,13 @@ _TUNSETOWNER = 0x400454CC
 _TUNSETGROUP = 0x400454CE
 _IFF_TAP = 0x0002
 _IFF_NO_PI = 0x1000
-_CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _open_tun_in(netns: Path | None) -> int:
-    """/dev/net/tun opened in ``netns``: a tun file belongs to the namespace it was opened in. The switch is
-    made in a thread of its own (setns moves only the calling thread), so no thread of ours is left in it."""
+    """/dev/net/tun opened in ``netns``: a tun file belongs to the namespace it was opened in (``netns.py``)."""
     if netns is None:
         return os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
-    result: list[int] = []
-    errors: list[BaseException] = []
-
-    def opener() -> None:
-        try:
-            ns = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _libc.setns(ns, _CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns into {netns}: {os.strerror(ctypes.get_errno())}")
-            finally:
-                os.close(ns)
-            result.append(os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC))
-        except BaseException as e:  # handed to the caller
-            errors.append(e)
-
-    t = threading.Thread(target=opener, name="aenv-own-tap")
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
-    return result[0]
+    return call_in_netns(netns, lambda: os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC), name="aenv-own-tap")
 
 
 def own_tap(netns: Path | None, tap: str, uid: int, gid: int) -> None:
