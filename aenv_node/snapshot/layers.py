@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from sqlalchemy import delete, select
+from sqlalchemy import bindparam, delete, select
 from sqlalchemy.orm import Session
 
 from ..state import Layer, LayerKind, SnapshotLayer
@@ -72,9 +72,12 @@ def replace_stack(s: Session, snapshot_id: str, kind: LayerKind, keep: int, dige
     s.add(SnapshotLayer(snapshot_id=snapshot_id, kind=kind, position=keep, layer_digest=digest))
 
 
+#: built once: every create reads its source's two stacks (building the statement cost more than running it)
+_STACK = (select(Layer).join(SnapshotLayer, SnapshotLayer.layer_digest == Layer.digest)
+          .where(SnapshotLayer.snapshot_id == bindparam("snapshot_id"), SnapshotLayer.kind == bindparam("kind"))
+          .order_by(SnapshotLayer.position))
+
+
 def stack_of(s: Session, snapshot_id: str, kind: LayerKind) -> list[Layer]:
     """The layer rows of one of a snapshot's stacks, bottom first."""
-    rows = s.scalars(select(Layer).join(SnapshotLayer, SnapshotLayer.layer_digest == Layer.digest)
-                     .where(SnapshotLayer.snapshot_id == snapshot_id, SnapshotLayer.kind == kind)
-                     .order_by(SnapshotLayer.position))
-    return list(rows)
+    return list(s.scalars(_STACK, {"snapshot_id": snapshot_id, "kind": kind}))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, or_, select
 from sqlalchemy.orm import Session
 
 from ..state import EventSubject, Snapshot, SnapshotStatus, Template, TemplateBuild, TemplateTag, utcnow
@@ -38,12 +38,19 @@ def split_name(name: str) -> tuple[str, str | None]:
     return base, (tag if sep and tag else None)
 
 
+# Built once, with bound parameters: every create resolves its template's name, and building these statements
+# anew cost more CPU than running them (a lookup is on the path whose rate the node is judged by).
+_BY_ID_OR_ALIAS = (select(Template).where(or_(Template.id == bindparam("name"), Template.alias == bindparam("name")))
+                   .order_by((Template.id == bindparam("name")).desc()).limit(1))
+_TAG = select(TemplateTag).where(TemplateTag.template_id == bindparam("template_id"), TemplateTag.tag == bindparam("tag"))
+_BUILD = select(TemplateBuild).where(TemplateBuild.id == bindparam("build_id"))
+_BUILD_OF_SNAPSHOT = select(TemplateBuild.id).where(TemplateBuild.snapshot_id == bindparam("snapshot_id")).limit(1)
+_SNAPSHOT = select(Snapshot).where(Snapshot.id == bindparam("snapshot_id"))
+
+
 def find_template(s: Session, name: str) -> Template | None:
-    """The template with id or alias ``name`` (no tag)."""
-    t = s.get(Template, name)
-    if t is None:
-        t = s.scalars(select(Template).where(Template.alias == name)).first()
-    return t
+    """The template with id or alias ``name`` (no tag); an id before an alias."""
+    return s.scalars(_BY_ID_OR_ALIAS, {"name": name}).first()
 
 
 @dataclass(frozen=True)
@@ -68,18 +75,17 @@ def lookup(s: Session, name: str) -> NamedBuild | None:
     t = find_template(s, base)
     if t is None:
         return None
-    row = s.get(TemplateTag, (t.id, tag or DEFAULT_TAG))
+    row = s.scalars(_TAG, {"template_id": t.id, "tag": tag or DEFAULT_TAG}).first()
     if row is None and tag is not None:
         return NamedBuild(t, tag, None, None)
     if row is not None:
-        b = s.get(TemplateBuild, row.build_id)
+        b = s.scalars(_BUILD, {"build_id": row.build_id}).first()
         snapshot_id = b.snapshot_id if b is not None else None
         build_id: str | None = row.build_id
     else:  # a bare name and no `default` tag: the latest ready build
         snapshot_id = t.boot_snapshot_id
-        build_id = s.scalars(select(TemplateBuild.id).where(TemplateBuild.snapshot_id == snapshot_id)).first() \
-            if snapshot_id else None
-    sn = s.get(Snapshot, snapshot_id) if snapshot_id else None
+        build_id = s.scalars(_BUILD_OF_SNAPSHOT, {"snapshot_id": snapshot_id}).first() if snapshot_id else None
+    sn = s.scalars(_SNAPSHOT, {"snapshot_id": snapshot_id}).first() if snapshot_id else None
     if sn is not None and sn.status != SnapshotStatus.COMMITTED:
         sn = None
     return NamedBuild(t, tag, build_id, sn)
