@@ -64,8 +64,6 @@ _EVENTS: Table = inspect(Event).local_table  # type: ignore[assignment]
 _COLUMN_OF: dict[str, Column[Any]] = {a.key: a.columns[0] for a in inspect(Sandbox).column_attrs}  # type: ignore[misc]
 _STATE_OF = select(_SANDBOXES.c.state).where(_SANDBOXES.c.id == bindparam("sandbox_id"))
 _INSERT_EVENT = insert(_EVENTS)
-_EVENT_COLUMNS = ("ts", "sandbox_id", "subject", "subject_id", "operation", "from_state", "to_state",
-                  "duration_ms", "error", "detail")
 #: one UPDATE of ``sandboxes`` per set of attributes it sets, built on first use
 _UPDATES: dict[tuple[str, ...], Update] = {}
 _CLAIM_SLOT = (update(_SLOTS).where(_SLOTS.c.slot_index == bindparam("index"))
